@@ -1,0 +1,74 @@
+"""Checkpoint files: where they live, how they are named, and what makes one usable.
+
+The payload is framework-specific (the trainers serialise it), but every checkpoint carries the
+same metadata, so a checkpoint from another model, framework or format version is refused with one
+line rather than loaded into the wrong tensors.  Files are written atomically (see
+:func:`launch.report.atomic_write_bytes`), so a kill mid-save leaves the previous one intact.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from launch.errors import UserError
+from launch.report import atomic_write_bytes
+
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^ckpt-epoch(\d{4,})\.(\w+)$")
+
+
+def ensure_writable(directory: str | os.PathLike) -> Path:
+    """Create the folder and prove we can write into it, before training starts."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"checkpoint folder {path} is not writable ({err.strerror}); "
+                        f"choose another --checkpoint-dir") from None
+    return path
+
+
+def path_for(directory: str | os.PathLike, epoch: int, ext: str) -> Path:
+    return Path(directory) / f"ckpt-epoch{epoch:04d}.{ext}"
+
+
+def latest(directory: str | os.PathLike, ext: str) -> Path | None:
+    """Newest complete checkpoint (temporary files from interrupted saves never match)."""
+    found = []
+    for entry in Path(directory).glob(f"ckpt-epoch*.{ext}"):
+        m = _NAME.match(entry.name)
+        if m:
+            found.append((int(m.group(1)), entry))
+    return max(found)[1] if found else None
+
+
+def save(directory: str | os.PathLike, epoch: int, ext: str, payload: bytes) -> Path:
+    path = path_for(directory, epoch, ext)
+    atomic_write_bytes(path, payload)
+    return path
+
+
+def metadata(framework: str, model: str, param_count: int, epoch: int,
+             config: dict[str, Any]) -> dict[str, Any]:
+    return {"format_version": FORMAT_VERSION, "framework": framework, "model": model,
+            "param_count": param_count, "epoch": epoch, "config": config}
+
+
+def check_metadata(meta: Any, path: Path, framework: str, model: str, param_count: int) -> int:
+    """Return the checkpoint's epoch, or raise one clear line on any mismatch."""
+    if not isinstance(meta, dict) or "format_version" not in meta:
+        raise UserError(f"{path} is not a ringtrain checkpoint; remove it or pick another folder")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise UserError(f"{path} has checkpoint format {meta['format_version']}, this version "
+                        f"reads {FORMAT_VERSION}; start a fresh --checkpoint-dir")
+    for key, want in (("framework", framework), ("model", model), ("param_count", param_count)):
+        if meta.get(key) != want:
+            raise UserError(f"{path} belongs to {key} {meta.get(key)!r}, not {want!r}; resume "
+                            f"with the matching trainer or use another --checkpoint-dir")
+    return int(meta["epoch"])

@@ -1,0 +1,44 @@
+"""Rank-strided sharding shared by both frameworks.
+
+Every rank derives the same permutation from (seed, epoch), so no indices are ever communicated,
+and takes every N-th element starting at its rank.  Shards are trimmed to ``n // world_size`` so
+all ranks run the same number of steps: a rank with one extra batch would issue one extra
+allreduce that nobody answers, and the job would hang at the end of the epoch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """The epoch's global sample order, identical on every rank and in every framework."""
+    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+
+
+def shard_indices(
+    num_samples: int, rank: int, world_size: int, seed: int, epoch: int, shuffle: bool = True
+) -> np.ndarray:
+    """Indices of this rank's training shard for ``epoch``: ``perm[rank::world_size]``, trimmed."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if num_samples < world_size:
+        raise ValueError(f"{num_samples} samples cannot feed {world_size} ranks")
+    order = epoch_permutation(num_samples, seed, epoch) if shuffle else np.arange(num_samples)
+    return order[rank::world_size][: num_samples // world_size]
+
+
+def eval_indices(num_samples: int, rank: int, world_size: int) -> np.ndarray:
+    """Untrimmed, unshuffled strided shard for evaluation: every sample is counted exactly once.
+
+    Shards may differ in size by one; exact metrics come from summing (loss, correct, count)
+    across ranks, which is why evaluation needs no equal step counts beyond one final allreduce.
+    """
+    return np.arange(rank, num_samples, world_size)
+
+
+def steps_per_epoch(num_samples: int, world_size: int, batch_size: int) -> int:
+    """Optimizer steps every rank runs per epoch (the last batch may be partial, equal everywhere)."""
+    return math.ceil((num_samples // world_size) / batch_size)

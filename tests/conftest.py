@@ -1,0 +1,57 @@
+"""Helpers to run the trainers the way users do: real processes under real launchers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SMALL = ["--train-samples", "1024", "--test-samples", "500", "--batch-size", "32", "--no-progress"]
+
+
+def launch_cmd(module: str, args: list[str], np: int = 2, how: str = "horovodrun") -> list[str]:
+    """The command line for ``python -m module args`` under ``how`` with ``np`` processes."""
+    py = [sys.executable, "-m", module, *args]
+    if how == "single":
+        return py
+    if how == "horovodrun":
+        return [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", *py]
+    if how == "gloo":
+        return [str(BIN / "horovodrun"), "--gloo", "-np", str(np), "-H", f"localhost:{np}", *py]
+    if how == "mpirun":
+        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np),
+                "-x", "PATH", "-x", "PYTHONPATH", *py]
+    raise ValueError(how)
+
+
+def run(cmd: list[str], timeout: float = 300, env: dict | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=cwd or REPO)
+
+
+def train(module: str, args: list[str], np: int = 2, how: str = "horovodrun",
+          timeout: float = 300, expect_ok: bool = True, env: dict | None = None):
+    proc = run(launch_cmd(module, args, np, how), timeout=timeout, env=env)
+    if expect_ok and proc.returncode != 0:
+        pytest.fail(f"{module} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-3000:]}")
+    return proc
+
+
+def metrics(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def horovod_ready() -> bool:
+    return (BIN / "horovodrun").exists()
+
+
+requires_horovod = pytest.mark.skipif(not horovod_ready(), reason="horovod is not installed; run make setup")

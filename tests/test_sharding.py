@@ -1,0 +1,53 @@
+"""Rank-strided sharding: disjoint, complete up to the trimmed remainder, equal steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from launch.sharding import epoch_permutation, eval_indices, shard_indices, steps_per_epoch
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+@pytest.mark.parametrize("n", [60000, 1000, 997])
+def test_shards_disjoint_complete_equal(world, n):
+    shards = [shard_indices(n, r, world, seed=7, epoch=3) for r in range(world)]
+    sizes = {len(s) for s in shards}
+    assert sizes == {n // world}, "every rank must get the same number of samples"
+    joined = np.concatenate(shards)
+    assert len(np.unique(joined)) == len(joined), "shards overlap"
+    missing = np.setdiff1d(np.arange(n), joined)
+    assert len(missing) == n % world, "only the trimmed remainder may be left out"
+    # The left-out samples are the tail of this epoch's permutation, not a fixed set.
+    np.testing.assert_array_equal(np.sort(missing), np.sort(epoch_permutation(n, 7, 3)[n - n % world:]))
+    steps = {steps_per_epoch(n, world, 32) for _ in range(world)}
+    assert steps == {-(-(n // world) // 32)}
+
+
+@pytest.mark.parametrize("world", [2, 3, 7])
+def test_strided_from_one_permutation(world):
+    perm = epoch_permutation(100, seed=1, epoch=0)
+    for r in range(world):
+        np.testing.assert_array_equal(shard_indices(100, r, world, 1, 0), perm[r::world][: 100 // world])
+
+
+def test_reshuffles_per_epoch_identically_everywhere():
+    a = shard_indices(60000, 1, 4, seed=5, epoch=1)
+    assert not np.array_equal(a, shard_indices(60000, 1, 4, seed=5, epoch=2))
+    np.testing.assert_array_equal(a, shard_indices(60000, 1, 4, seed=5, epoch=1))
+
+
+def test_no_shuffle_is_file_order():
+    np.testing.assert_array_equal(shard_indices(10, 1, 3, 0, 0, shuffle=False), [1, 4, 7])
+
+
+def test_eval_shards_cover_everything_once():
+    for world in range(1, 9):
+        joined = np.concatenate([eval_indices(10001, r, world) for r in range(world)])
+        np.testing.assert_array_equal(np.sort(joined), np.arange(10001))
+
+
+@pytest.mark.parametrize("rank,world,n", [(2, 2, 10), (-1, 2, 10), (0, 0, 10), (0, 4, 3)])
+def test_rejects_impossible_worlds(rank, world, n):
+    with pytest.raises(ValueError):
+        shard_indices(n, rank, world, 0, 0)
