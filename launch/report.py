@@ -95,8 +95,9 @@ class Reporter:
         self._last_draw = 0.0
 
     def info(self, message: str) -> None:
-        if self.enabled:
-            print(message, file=self.stream, flush=True)
+        if self.enabled:  # one write per line: MPI's output tagging splits separate writes
+            self.stream.write(message + "\n")
+            self.stream.flush()
 
     def step(self, epoch: int, epochs: int, step: int, steps: int, loss: float | None) -> None:
         """Redraw the bar at most ~10 times a second."""

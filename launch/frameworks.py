@@ -1,0 +1,35 @@
+"""Importing exactly one framework's trainer, with one clear line when that is impossible.
+
+Only one framework's Horovod module may be loaded per process (two copies of Horovod's native
+library otherwise), so the launcher imports lazily, by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+from launch.errors import UserError
+
+TRAINERS = {"torch": "torch_models.train", "tf": "tf_models.train"}
+_PACKAGES = {"torch": ("torch", "horovod.torch"), "tf": ("tensorflow", "horovod.tensorflow")}
+_INSTALL_HINT = "run 'make setup' (or bash .ci/setup) to install the pinned stack and build Horovod"
+
+
+def import_trainer(framework: str) -> ModuleType:
+    if framework not in TRAINERS:
+        raise UserError(f"unknown framework {framework!r}; choose one of {', '.join(TRAINERS)}")
+    if framework == "tf":
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ banner is noise to users
+    framework_pkg, horovod_pkg = _PACKAGES[framework]
+    try:
+        importlib.import_module(framework_pkg)
+    except ImportError:
+        raise UserError(f"{framework_pkg} is not installed; {_INSTALL_HINT}") from None
+    try:
+        importlib.import_module(horovod_pkg)
+    except ImportError as err:
+        raise UserError(f"{horovod_pkg} cannot be imported ({err}); Horovod was not built with "
+                        f"{framework_pkg} support: {_INSTALL_HINT}") from None
+    return importlib.import_module(TRAINERS[framework])

@@ -1,0 +1,16 @@
+"""``horovodrun -np 4 python -m launch.tf_mnist``: the TensorFlow/Keras 3 reference job."""
+
+from launch.errors import run_cli
+
+
+def main(argv=None) -> int:
+    from launch import cli
+
+    args = cli.parse("tf", argv)  # flags are checked before the framework is imported
+    from launch.frameworks import import_trainer
+
+    return import_trainer("tf").main_with(args)
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,89 @@
+"""Bad input gets one clear line naming the problem and the fix, exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+from conftest import requires_horovod, run, train
+from test_mnist import SHARED
+
+from launch import mnist
+
+SMALL = ["--train-samples", "256", "--test-samples", "100", "--epochs", "1", "--no-progress"]
+
+
+def one_error_line(proc, *needles: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("module", ["launch.torch_mnist", "launch.tf_mnist"])
+@pytest.mark.parametrize("flags,needle", [
+    (["--batch-size", "0"], "--batch-size must be a positive integer"),
+    (["--epochs", "-1"], "--epochs must be a positive integer"),
+    (["--train-samples", "60001"], "--train-samples must be between 1 and 60000"),
+    (["--lr-scaling", "cubic"], "invalid choice: 'cubic'"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--epochs", "two"], "invalid int value: 'two'"),
+])
+def test_bad_flags(module, flags, needle):
+    one_error_line(run([sys.executable, "-m", module, *flags]), needle)
+
+
+def test_unknown_framework():
+    one_error_line(run([sys.executable, "-m", "launch", "--framework", "jax"]), "invalid choice: 'jax'")
+
+
+@requires_horovod
+@pytest.mark.parametrize("module", ["launch.torch_mnist", "launch.tf_mnist"])
+def test_missing_data_folder(module, tmp_path):
+    # Offline here: the download fails and the message says where the files must go.
+    proc = run([sys.executable, "-m", module, *SMALL, "--data-dir", str(tmp_path / "nowhere")],
+               env={"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"})
+    one_error_line(proc, str(tmp_path / "nowhere"), "--data-dir")
+
+
+@requires_horovod
+@pytest.mark.parametrize("module", ["launch.torch_mnist", "launch.tf_mnist"])
+@pytest.mark.parametrize("damage", ["wrong_md5", "truncated", "not_mnist"])
+def test_damaged_data(module, damage, tmp_path):
+    d = tmp_path / "mnist"
+    d.mkdir()
+    for name, _ in mnist.FILES.values():
+        shutil.copyfile(SHARED / name, d / name)
+    target = d / "train-images-idx3-ubyte.gz"
+    if damage == "wrong_md5":
+        raw = bytearray(target.read_bytes())
+        raw[100] ^= 1
+        target.write_bytes(bytes(raw))
+    elif damage == "truncated":
+        target.write_bytes(target.read_bytes()[: 1 << 20])
+    else:
+        target.write_bytes(b"<html>404 not found</html>")
+    proc = run([sys.executable, "-m", module, *SMALL, "--data-dir", str(d)])
+    one_error_line(proc, "train-images-idx3-ubyte.gz has MD5", "delete it to re-download")
+
+
+@requires_horovod
+@pytest.mark.parametrize("module", ["launch.torch_mnist", "launch.tf_mnist"])
+def test_fewer_samples_than_ranks(module):
+    proc = train(module, ["--train-samples", "1", *SMALL[2:]], np=2, expect_ok=False)
+    assert proc.returncode != 0
+    assert "--train-samples 1 is smaller than the world size 2" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+@requires_horovod
+@pytest.mark.parametrize("module", ["launch.torch_mnist", "launch.tf_mnist"])
+def test_unwritable_checkpoint_folder(module, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    proc = run([sys.executable, "-m", module, *SMALL, "--checkpoint-dir", str(blocker / "ckpt")])
+    one_error_line(proc, "is not writable", "--checkpoint-dir")
