@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Sequence
 
 from launch.errors import UserError, fail
-from launch.lr import SCALING_RULES
+from launch.lr import DECAY_RULES, SCALING_RULES
 from launch.mnist import TRAIN_SIZE
 
 FRAMEWORKS = ("torch", "tf")
@@ -29,6 +29,8 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--warmup-epochs", type=float, default=1.0,
                    help="ramp the LR linearly from --base-lr to the scaled LR over this many "
                         "epochs (Goyal et al. 2017; default 1, 0 disables)")
+    g.add_argument("--lr-decay", choices=DECAY_RULES, default="cosine",
+                   help="after warm-up: cosine-anneal the LR to 0 by the last epoch, or keep it")
     g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9; 0 = plain SGD)")
     g.add_argument("--dropout", type=float, default=0.5, help="dropout before the classifier (default 0.5)")
     g.add_argument("--seed", type=int, default=42,
@@ -59,6 +61,10 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="accumulate gradients locally over K batches before each allreduce")
     g.add_argument("--gradient-predivide-factor", type=float, default=1.0,
                    help="divide gradients by F before the sum and by size/F after (fp16 range)")
+
+    g.add_argument("--stall-timeout", type=float, default=120.0,
+                   help="seconds a rank may lag its peers' collectives before Horovod's stall "
+                        "check shuts the job down instead of hanging (default 120; 0 = never)")
 
     g = parser.add_argument_group("output")
     g.add_argument("--checkpoint-dir", default=None,
@@ -113,6 +119,8 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         raise UserError("--gradient-predivide-factor must be positive")
     if args.adasum and args.gradient_predivide_factor != 1.0:
         raise UserError("--gradient-predivide-factor works only with averaging, not --adasum")
+    if args.stall_timeout < 0:
+        raise UserError(f"--stall-timeout must be >= 0 seconds, got {args.stall_timeout}")
     if args.resume and not args.checkpoint_dir:
         raise UserError("--resume needs --checkpoint-dir (the folder to resume from)")
     return args

@@ -37,3 +37,16 @@ def launcher() -> str:
     if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
         return "mpirun"
     return "single-process"
+
+
+def configure_stall_check(timeout_seconds: float) -> None:
+    """Make a stuck or dead rank end the job instead of hanging it; call before ``hvd.init()``.
+
+    Horovod's stall inspector warns when some ranks wait on a collective the others never issue,
+    and shuts Horovod down after the shutdown time (off by default).  An explicit environment
+    setting from the user wins.
+    """
+    if timeout_seconds <= 0:
+        return
+    os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, int(timeout_seconds // 2))))
+    os.environ.setdefault("HOROVOD_STALL_CHECK_SHUTDOWN_TIME_SECONDS", str(max(1, int(timeout_seconds))))

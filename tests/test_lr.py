@@ -27,3 +27,13 @@ def test_warmup_ramps_linearly_to_target():
 
 def test_no_warmup():
     assert lr_at(0.0, 0.01, 0.04, 0) == 0.04
+
+
+def test_cosine_decay_after_warmup():
+    args = dict(base_lr=0.01, target_lr=0.04, warmup_epochs=1, total_epochs=5, decay="cosine")
+    assert lr_at(0.5, **args) == pytest.approx(0.025)  # still warming up
+    assert lr_at(1.0, **args) == pytest.approx(0.04)  # peak right after warm-up
+    assert lr_at(3.0, **args) == pytest.approx(0.02)  # halfway through the decay
+    assert lr_at(5.0, **args) == pytest.approx(0.0, abs=1e-12)
+    lrs = [lr_at(1 + i / 10, **args) for i in range(41)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False)), "decay must be monotone"

@@ -21,7 +21,7 @@ from launch import checkpoint, cli, mnist
 from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
 from launch.report import EpochRecord, Reporter, Summary, param_checksum
-from launch.runtime import controller, threads_per_rank
+from launch.runtime import configure_stall_check, controller, threads_per_rank
 from launch.sharding import eval_indices, shard_indices, steps_per_epoch
 from torch_models.model import MODEL_NAME, MnistCNN
 
@@ -85,6 +85,7 @@ def evaluate(model, x, y, batch_size: int) -> tuple[float, float]:
 
 
 def train(args: argparse.Namespace) -> Summary:
+    configure_stall_check(args.stall_timeout)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     cli.validate_world(args, size)
@@ -159,7 +160,8 @@ def train(args: argparse.Namespace) -> Summary:
         loss_sum = torch.zeros(2, dtype=torch.float64)
         t0 = time.perf_counter()
         for step in range(steps):
-            lr = lr_at(epoch - 1 + step / steps, args.base_lr, target_lr, args.warmup_epochs)
+            lr = lr_at(epoch - 1 + step / steps, args.base_lr, target_lr, args.warmup_epochs,
+                       args.epochs, args.lr_decay)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.zero_grad()
