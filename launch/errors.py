@@ -43,8 +43,8 @@ def run_cli(main: Callable[[], int | None]) -> None:
         code = main()
     except UserError as err:
         fail(str(err))
-    except KeyboardInterrupt:
-        if launcher_rank() == 0:
-            print("interrupted", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # every rank says so: which rank was hit is the useful part
+        print(f"rank {launcher_rank()} interrupted; checkpoints already written are complete",
+              file=sys.stderr, flush=True)
         sys.exit(130)
     sys.exit(code or 0)

@@ -49,4 +49,4 @@ def configure_stall_check(timeout_seconds: float) -> None:
     if timeout_seconds <= 0:
         return
     os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, int(timeout_seconds // 2))))
-    os.environ.setdefault("HOROVOD_STALL_CHECK_SHUTDOWN_TIME_SECONDS", str(max(1, int(timeout_seconds))))
+    os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(1, int(timeout_seconds))))
