@@ -24,7 +24,10 @@ FRAMEWORKS = list(MODULES)
 PLAIN = ["--momentum", "0", "--dropout", "0", "--no-shuffle", "--warmup-epochs", "0",
          "--lr-decay", "none", "--lr-scaling", "none", "--base-lr", "0.05", "--test-samples", "200",
          "--no-progress", "--epochs", "1"]
-RTOL, ATOL = 2e-4, 2e-6
+# float32 summation order only: TF's conv kernels pick different reduction orders for batch 24 and
+# 48, which after 6 steps moves a few weights by ~1e-5.  A real bug (a missed broadcast, a sum
+# instead of an average, a skipped rank) moves them by the size of an update, ~1e-2.
+RTOL, ATOL = 1e-3, 5e-5
 
 
 def load_params(path: Path) -> list[np.ndarray]:
