@@ -1,0 +1,320 @@
+"""The TensorFlow/Keras 3 trainer: the output contract under real ``horovodrun -np 2``, resume,
+rank-0-only output, and the Keras 3 Horovod pieces in :mod:`tf_models.horovod_keras`."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import BIN, SMALL, metrics, requires_horovod, run, train
+
+MODULE = "launch.tf_mnist"
+SUMMARY_KEYS = {"framework", "versions", "controller", "world_size", "batch_size_per_rank",
+                "global_batch_size", "base_lr", "effective_lr", "lr_scaling", "epochs",
+                "final_test_accuracy", "final_test_loss", "total_seconds", "images_per_second",
+                "param_checksums", "param_count", "resumed_from_epoch", "host"}
+
+# Runs the trainer like ``python -m launch.tf_mnist``, except that on every rank but 0 the
+# functions that write files raise: a rank other than 0 writing anything fails the job.
+GUARDED_MAIN = textwrap.dedent("""
+    import os, sys
+    from launch.errors import launcher_rank, run_cli
+    rank = launcher_rank()
+    if rank != 0:
+        import launch.checkpoint, launch.report
+        def refuse(path, *args, **kwargs):
+            raise AssertionError(f"rank {rank} tried to write {path}")
+        launch.report.atomic_write_bytes = refuse
+        launch.checkpoint.atomic_write_bytes = refuse
+        launch.checkpoint.ensure_writable = refuse
+    from launch.tf_mnist import main
+    run_cli(lambda: main(sys.argv[1:]))
+""")
+
+
+def horovodrun(script: Path, args: list[str], np_: int = 2, timeout: float = 300):
+    cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", str(BIN / "python"),
+           str(script), *args]
+    proc = run(cmd, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{script.name} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-3000:]}")
+    return proc
+
+
+def guarded_train(tmp: Path, args: list[str]):
+    script = tmp / "guarded_main.py"
+    script.write_text(GUARDED_MAIN)
+    return horovodrun(script, [*SMALL, *args])
+
+
+@pytest.fixture(scope="module")
+def two_epochs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tf2")
+    proc = guarded_train(out, ["--test-samples", "500", "--epochs", "2", "--metrics-out",
+                               str(out / "m.json"), "--checkpoint-dir", str(out / "ckpt")])
+    return proc, metrics(out / "m.json"), out
+
+
+# --- in-process --------------------------------------------------------------------------------
+
+def test_model_matches_the_torch_reference():
+    from tf_models.model import MODEL_NAME, build_model
+
+    model = build_model(dropout=0.5)
+    assert MODEL_NAME == "mnist-cnn-v1"
+    assert model.count_params() == 184_586
+    assert [tuple(w.shape) for w in model.weights] == [
+        (5, 5, 1, 32), (32,), (5, 5, 32, 64), (64,), (1024, 128), (128,), (128, 10), (10,)]
+    assert tuple(model.output.shape) == (None, 10)
+    # PyTorch's default initialisation: everything uniform in +-1/sqrt(fan_in), biases included
+    layers = zip(model.weights[::2], model.weights[1::2], (25, 800, 1024, 128), strict=True)
+    for kernel, bias, fan_in in layers:
+        bound = fan_in ** -0.5
+        for w in (kernel.numpy(), bias.numpy()):
+            assert np.abs(w).max() <= bound and np.abs(w).max() > 0.5 * bound
+        assert kernel.numpy().std() == pytest.approx(bound / 3 ** 0.5, rel=0.1)
+
+
+@requires_horovod
+def test_warmup_schedule_is_lr_at_and_serialisable():
+    import keras
+    import tensorflow as tf
+
+    from launch.lr import lr_at
+    from tf_models.horovod_keras import WarmupSchedule
+
+    sched = WarmupSchedule(0.01, 0.04, 1.5, steps_per_epoch=10)
+    for step in range(0, 40):
+        want = lr_at(step / 10, 0.01, 0.04, 1.5)
+        assert sched(step) == pytest.approx(want)
+        assert float(sched(tf.constant(step, tf.int64))) == pytest.approx(want, rel=1e-6)
+    assert float(WarmupSchedule(0.01, 0.04, 0, 10)(tf.constant(0))) == pytest.approx(0.04)
+
+    opt = keras.optimizers.SGD(learning_rate=sched, momentum=0.9)
+    clone = keras.optimizers.SGD.from_config(opt.get_config())
+    assert clone.get_config()["learning_rate"] == opt.get_config()["learning_rate"]
+
+
+@requires_horovod
+def test_checkpoint_round_trip_and_corrupt_file(tmp_path):
+    import argparse
+
+    import keras
+
+    from launch import checkpoint
+    from launch.errors import UserError
+    from tf_models import train as tf_train
+    from tf_models.model import build_model
+
+    def fresh(seed):
+        keras.utils.set_random_seed(seed)
+        net = build_model(0.5)
+        opt = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+        opt.build(net.trainable_variables)
+        return net, opt
+
+    net, opt = fresh(1)
+    opt.iterations.assign(7)
+    for m in opt.variables[2:]:
+        m.assign(np.full(m.shape, 0.5, np.float32))
+    args = argparse.Namespace(epochs=3, seed=1, resume=False, no_progress=True)
+    tf_train.save_checkpoint(str(tmp_path), 2, net, opt, 184_586, args)
+
+    other, other_opt = fresh(2)
+    epoch = tf_train.load_checkpoint(str(tmp_path), other, other_opt, 184_586, steps=5)
+    assert epoch == 2
+    for a, b in zip(net.weights, other.weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for a, b in zip(opt.variables[2:], other_opt.variables[2:], strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert int(other_opt.iterations.numpy()) == 2 * 5  # the schedule's position: epoch x steps
+
+    checkpoint.path_for(tmp_path, 3, "npz").write_bytes(b"PK\x03\x04 definitely not a zip")
+    with pytest.raises(UserError, match="corrupt") as err:
+        tf_train.load_checkpoint(str(tmp_path), other, other_opt, 184_586, steps=5)
+    assert "\n" not in str(err.value)
+
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    tf_train.save_checkpoint(str(wrong), 1, net, opt, 184_586, args)
+    with pytest.raises(UserError, match="belongs to param_count"):
+        tf_train.load_checkpoint(str(wrong), other, other_opt, 123, steps=5)
+
+
+# --- one process -------------------------------------------------------------------------------
+
+@requires_horovod
+def test_amp_on_cpu_is_one_line_error():
+    proc = train(MODULE, ["--amp", "--train-samples", "64", "--epochs", "1", "--no-progress"],
+                 np=1, how="single", expect_ok=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --amp needs a CUDA GPU")
+
+
+# --- horovodrun -np 2 --------------------------------------------------------------------------
+
+@requires_horovod
+def test_all_ranks_end_identical(two_epochs):
+    _, m, _ = two_epochs
+    assert len(m["param_checksums"]) == 2
+    assert len(set(m["param_checksums"])) == 1, m["param_checksums"]
+
+
+@requires_horovod
+def test_loss_falls(two_epochs):
+    _, m, _ = two_epochs
+    losses = [e["train_loss"] for e in m["epochs"]]
+    assert losses[1] < losses[0] * 0.8, losses
+    assert m["final_test_accuracy"] > 0.7
+
+
+@requires_horovod
+def test_summary_complete(two_epochs):
+    _, m, _ = two_epochs
+    assert SUMMARY_KEYS <= set(m), SUMMARY_KEYS - set(m)
+    assert m["framework"] == "tf" and m["world_size"] == 2 and m["controller"] == "mpi"
+    assert m["param_count"] == 184_586
+    assert m["effective_lr"] == pytest.approx(0.02)
+    assert m["global_batch_size"] == 64 and m["batch_size_per_rank"] == 32
+    assert [e["epoch"] for e in m["epochs"]] == [1, 2]
+    assert {"tensorflow", "keras", "horovod"} <= set(m["versions"])
+    assert m["resumed_from_epoch"] is None
+    assert m["images_per_second"] > 0 and m["total_seconds"] > 0
+    # 1024 images over 2 ranks: every image of both shards is trained on once per epoch
+    assert all(e["images_per_second"] * e["seconds"] == pytest.approx(1024) for e in m["epochs"])
+
+
+@requires_horovod
+def test_rank0_alone_prints_and_writes(two_epochs):
+    # GUARDED_MAIN makes any write from rank 1 fail the job, so getting here proves rank 1 wrote
+    # nothing; what rank 0 wrote is exactly one checkpoint per epoch (no temporary leftovers).
+    proc, _, out = two_epochs
+    epoch_lines = [ln for ln in proc.stdout.splitlines() if "epoch 1/2:" in ln]
+    assert len(epoch_lines) == 1, proc.stdout
+    files = sorted(p.name for p in (out / "ckpt").iterdir())
+    assert files == ["ckpt-epoch0001.npz", "ckpt-epoch0002.npz"], files
+
+
+@requires_horovod
+def test_resume_continues_from_saved_epoch(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    guarded_train(tmp_path, ["--epochs", "1", "--checkpoint-dir", str(ckpt)])
+    guarded_train(tmp_path, ["--epochs", "2", "--checkpoint-dir", str(ckpt), "--resume",
+                             "--metrics-out", str(tmp_path / "m.json")])
+    m = metrics(tmp_path / "m.json")
+    assert m["resumed_from_epoch"] == 1
+    assert [e["epoch"] for e in m["epochs"]] == [2]
+    assert len(set(m["param_checksums"])) == 1
+    assert (ckpt / "ckpt-epoch0002.npz").exists()
+
+
+# Each rank builds its model from a different seed; after the broadcast all hold rank 0's values.
+HOROVOD_KERAS_CHECKS = textwrap.dedent("""
+    import horovod.tensorflow as hvd
+    hvd.init()
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from launch.report import param_checksum
+    from tf_models.horovod_keras import (BroadcastInitialState, DistributedModel, MetricAverage,
+                                         broadcast_initial_state, broadcast_variables)
+    from tf_models.model import build_model
+
+    rank = hvd.rank()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+
+    def checksums(variables, name):
+        return hvd.allgather_object(param_checksum(v.numpy() for v in variables), name=name)
+
+    # 1. broadcast_variables on Keras 3 variables (hvd.broadcast_variables fails on them).
+    keras.utils.set_random_seed(100 + rank)
+    net = build_model(0.0)
+    before = checksums(net.weights, "before")
+    assert before[0] != before[1], "ranks must start different for this check to mean anything"
+    broadcast_variables(net.weights, root_rank=0)
+    after = checksums(net.weights, "after")
+    assert after == [before[0]] * 2, (before, after)
+
+    # 2. broadcast_initial_state builds the optimizer and broadcasts its slots and step counter.
+    keras.utils.set_random_seed(200 + rank)
+    net = build_model(0.0)
+    opt = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+    opt.build(net.trainable_variables)
+    for v in opt.variables:
+        v.assign(np.full(v.shape, rank + 1, v.dtype))
+    w0 = checksums(net.weights, "w0")
+    broadcast_initial_state(net, opt)
+    assert checksums(net.weights, "w1") == [w0[0]] * 2
+    assert all(np.all(v.numpy() == 1) for v in opt.variables), "rank 0's optimizer state"
+
+    # 3. The BroadcastInitialState callback, in fit, with an unbuilt optimizer and LR 0.
+    keras.utils.set_random_seed(300 + rank)
+    net = build_model(0.0)
+    w0 = checksums(net.weights, "w2")
+    model = DistributedModel(net)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.0))
+    x = np.random.default_rng(rank).normal(size=(8, 28, 28, 1)).astype(np.float32)
+    y = np.arange(8) % 10
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[BroadcastInitialState()])
+    assert checksums(net.weights, "w3") == [w0[0]] * 2
+
+    # 4. K micro-batches of B == one batch of K x B; pre-division and fp16 change only rounding.
+    rng = np.random.default_rng(10 + rank)
+    x = rng.normal(size=(32, 28, 28, 1)).astype(np.float32)
+    y = rng.integers(0, 10, size=32)
+    def one_step(**kwargs):
+        keras.utils.set_random_seed(400 + rank)
+        net = build_model(0.0)
+        model = DistributedModel(net, **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.5))
+        broadcast_initial_state(net, model.optimizer)
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+        return [w.numpy() for w in net.weights]
+    ref = one_step()
+    for kwargs in ({"backward_passes_per_step": 2, "micro_batch_size": 16},
+                   {"backward_passes_per_step": 4, "micro_batch_size": 8},
+                   {"gradient_predivide_factor": 2.0}):
+        for a, b in zip(one_step(**kwargs), ref):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(kwargs))
+    half = one_step(fp16_allreduce=True)
+    for a, b in zip(half, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
+
+    # 5. Mixed precision (what --amp does on GPUs, run here on CPU): the scaled float32 gradients
+    #    are allreduced, then the LossScaleOptimizer unscales them the same way on every rank.
+    keras.utils.set_random_seed(400 + rank)
+    net = build_model(0.0, "mixed_float16")
+    model = DistributedModel(net)
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(learning_rate=0.5)))
+    broadcast_initial_state(net, model.optimizer)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+    amp = [w.numpy() for w in net.weights]
+    assert all(w.dtype == np.float32 and np.isfinite(w).all() for w in amp)
+    assert len(set(checksums(net.weights, "amp"))) == 1
+    for a, b in zip(amp, ref):
+        np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-3)
+
+    # 6. MetricAverage: exact global mean over unequal per-rank counts.
+    mean = keras.metrics.Mean(name="loss", dtype="float64")
+    mean.update_state([1.0, 2.0, 3.0] if rank == 0 else [10.0])
+    class Holder:
+        metrics = [mean]
+    cb = MetricAverage()
+    cb.set_model(Holder())
+    logs = {}
+    cb.on_epoch_end(0, logs)
+    assert logs["loss"] == 4.0 and cb.totals["loss"] == (16.0, 4.0), (logs, cb.totals)
+    print(f"rank {rank}: horovod_keras checks passed")
+""")
+
+
+@requires_horovod
+def test_horovod_keras_pieces_under_horovodrun(tmp_path):
+    script = tmp_path / "checks.py"
+    script.write_text(HOROVOD_KERAS_CHECKS)
+    proc = horovodrun(script, [])
+    assert proc.stdout.count("horovod_keras checks passed") == 2, proc.stdout

@@ -1,0 +1,301 @@
+"""Horovod for Keras 3 (TensorFlow backend), built on ``horovod.tensorflow``'s plain collectives.
+
+Why this module exists
+----------------------
+Horovod 0.28.1 predates Keras 3, and its Keras integration does not survive the switch (each
+point below was checked with TensorFlow 2.21 / Keras 3.15 under ``horovodrun -np 2``):
+
+* ``hvd.DistributedGradientTape`` and the Keras callbacks (``BroadcastGlobalVariablesCallback``)
+  key per-variable state on ``variable.ref()``; a ``keras.Variable`` is not a ``tf.Variable``:
+  ``AttributeError: 'Variable' object has no attribute 'ref'``.
+* ``hvd.broadcast_variables`` assigns inside a ``tf.function`` and fails on Keras 3 variables
+  with ``AttributeError: 'SymbolicTensor' object has no attribute 'assign'``.
+* Worst, ``horovod.tensorflow.keras.DistributedOptimizer`` wraps a Keras 3 optimizer without
+  complaint and ``fit`` runs, but the hooks it overrides (``get_gradients``,
+  ``_compute_gradients``, ``_aggregate_gradients``) are never called by Keras 3: gradients are
+  not allreduced and the ranks silently train apart.  Its ``variables`` property is broken too
+  (``TypeError: 'list' object is not callable``).
+
+What does work is the layer underneath: ``hvd.broadcast``, ``hvd.allreduce`` and
+``hvd.grouped_allreduce`` on ordinary ``tf.Tensor`` values, in eager code and inside a
+``tf.function``.  This module is that recipe packaged for reuse:
+
+* :func:`broadcast_variables` / :func:`broadcast_initial_state` / :class:`BroadcastInitialState`
+  copy rank 0's model and optimizer variables to every rank (``v.assign(hvd.broadcast(value))``),
+  after building the optimizer so that its slots (momentum, iteration counter) exist.
+* :func:`allreduce_gradients` is ``DistributedOptimizer``'s gradient exchange: one grouped
+  allreduce per step, averaging or Adasum, optional fp16 compression and pre-division.
+* :class:`DistributedModel` wraps any Keras model so that ``model.fit`` runs a data-parallel
+  train step: plain ``tf.GradientTape``, optional local accumulation over K micro-batches,
+  one allreduce, one ``optimizer.apply_gradients``.
+* :class:`MetricAverage` turns per-rank running means into exact global ones by summing
+  (total, count) across ranks, not by averaging the ranks' averages.
+* :class:`WarmupSchedule` is the shared LR rule (:mod:`launch.lr`) as a per-step Keras schedule.
+
+Every collective here is issued in the same order on every rank with a name that depends only
+on the position of the variable, never on the rank: that is what Horovod matches ranks on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import tensorflow as tf
+
+from launch.lr import lr_at
+
+__all__ = [
+    "BroadcastInitialState", "DistributedModel", "MetricAverage", "WarmupSchedule",
+    "allreduce_gradients", "allreduce_sums", "broadcast_initial_state", "broadcast_variables",
+]
+
+
+# --- broadcasting state -----------------------------------------------------------------------
+
+def broadcast_variables(variables: Iterable, root_rank: int = 0, prefix: str = "bcast") -> None:
+    """Overwrite ``variables`` on every rank with their values on ``root_rank`` (eager).
+
+    Works for ``keras.Variable`` and ``tf.Variable`` alike: the value is read as a plain tensor
+    (``tf.convert_to_tensor``), broadcast, and assigned back.  Names are ``{prefix}.{index}``,
+    identical on all ranks as long as every rank passes the variables in the same order (true for
+    ``model.weights`` and ``optimizer.variables`` of identically built models).
+    """
+    for i, var in enumerate(variables):
+        var.assign(hvd.broadcast(tf.convert_to_tensor(var), root_rank, name=f"{prefix}.{i}"))
+
+
+def broadcast_initial_state(model: keras.Model, optimizer=None, root_rank: int = 0) -> None:
+    """Make every rank start from ``root_rank``'s weights and optimizer state.
+
+    The optimizer is built first: Keras 3 creates the momentum slots and the iteration counter
+    lazily, on the first ``apply_gradients``, so without ``build`` there would be nothing to
+    broadcast and a resumed rank 0 would be the only one with momentum.  ``model.weights`` is used,
+    not ``model.variables``: the latter also holds the dropout layers' seed-generator state, which
+    is meant to differ between ranks.
+    """
+    if optimizer is not None and not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    broadcast_variables(model.weights, root_rank, prefix="model")
+    if optimizer is not None:
+        broadcast_variables(optimizer.variables, root_rank, prefix="optimizer")
+
+
+class BroadcastInitialState(keras.callbacks.Callback):
+    """``model.fit`` callback: broadcast model + optimizer variables once, at the start of training.
+
+    The Keras 3 counterpart of ``hvd.callbacks.BroadcastGlobalVariablesCallback``.  Put it first in
+    the callback list, before anything that reads the weights.
+    """
+
+    def __init__(self, root_rank: int = 0) -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.done = False
+
+    def on_train_begin(self, logs=None) -> None:
+        if not self.done:
+            broadcast_initial_state(self.model, self.model.optimizer, self.root_rank)
+            self.done = True
+
+
+# --- gradients ---------------------------------------------------------------------------------
+
+def allreduce_gradients(grads: Sequence[tf.Tensor], *, op=None, fp16: bool = False,
+                        gradient_predivide_factor: float = 1.0,
+                        name: str = "DistributedGradients") -> list[tf.Tensor]:
+    """Combine this rank's gradients with everyone else's: one grouped allreduce.
+
+    ``op`` is ``hvd.Average`` (default) or ``hvd.Adasum`` (power-of-two world sizes only).
+    ``fp16`` sends float16 on the wire (``hvd.Compression.fp16``) and restores the original dtype
+    after.  With averaging, ``gradient_predivide_factor`` f splits the division the way
+    ``hvd.DistributedOptimizer`` does: a sum of gradients pre-scaled by 1/f, post-scaled by
+    f/size (keeps fp16 sums in range).  With one process this is the identity and issues no
+    collective.
+    """
+    op = hvd.Average if op is None else op
+    grads = list(grads)
+    if hvd.size() == 1 or not grads:
+        return grads
+    compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
+    prescale = postscale = 1.0
+    if gradient_predivide_factor != 1.0:
+        if op != hvd.Average:
+            raise ValueError("gradient_predivide_factor works only with averaging, not Adasum")
+        op = hvd.Sum
+        prescale = 1.0 / gradient_predivide_factor
+        postscale = gradient_predivide_factor / hvd.size()
+    if op == hvd.Adasum:
+        # Horovod 0.28.1's grouped_allreduce crashes on its Adasum branch (it reads an unbound
+        # local, ``tensor``); per-tensor allreduces are fused by Horovod all the same, and Adasum
+        # combines each tensor separately in either case.
+        return [hvd.allreduce(g, op=op, compression=compression, name=f"{name}.{i}")
+                for i, g in enumerate(grads)]
+    return hvd.grouped_allreduce(grads, op=op, compression=compression, prescale_factor=prescale,
+                                 postscale_factor=postscale, name=name)
+
+
+def sparse_logits_loss(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    """Per-example cross-entropy from integer labels and logits (PyTorch's ``F.cross_entropy``)."""
+    return keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+
+
+class DistributedModel(keras.Model):
+    """Wrap ``model`` so that ``fit`` trains it data-parallel through Horovod.
+
+    The train step (a ``tf.function`` compiled by ``fit``; XLA must stay off because Horovod's ops
+    have no XLA kernels here, see :meth:`compile`):
+
+    1. For each of ``backward_passes_per_step`` (K) micro-batches of ``micro_batch_size`` rows
+       from the incoming batch: forward, per-example loss, ``tf.GradientTape`` gradient of the mean
+       loss.  Gradients are summed locally and divided by K: with full micro-batches that is
+       exactly the gradient of one batch K times larger.  The input pipeline therefore delivers
+       K x ``micro_batch_size`` rows per step (the last step of an epoch may be short; its last
+       micro-batch is then partial, like in the PyTorch trainer).
+    2. One :func:`allreduce_gradients` (averaging or Adasum, fp16 compression, pre-division).
+    3. One ``optimizer.apply_gradients``: the optimizer's iteration counter, which drives LR
+       schedules, counts optimizer steps, not micro-batches.
+
+    The loss is scaled with ``optimizer.scale_loss`` so a ``keras.optimizers.LossScaleOptimizer``
+    (mixed precision) works: the scaled gradients are allreduced, and the loss-scale optimizer then
+    unscales them and skips non-finite steps identically on every rank.
+
+    ``self.loss_tracker`` accumulates the float64 (sum of losses, count of examples) of this rank;
+    :class:`MetricAverage` turns it into the exact global mean at the end of each epoch.  Weights,
+    ``weights``/``trainable_variables`` and ``get_weights`` are those of the wrapped model, in its
+    order.
+    """
+
+    def __init__(self, model: keras.Model, *, backward_passes_per_step: int = 1,
+                 micro_batch_size: int | None = None, op=None, fp16_allreduce: bool = False,
+                 gradient_predivide_factor: float = 1.0,
+                 loss_fn: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] = sparse_logits_loss,
+                 **kwargs) -> None:
+        super().__init__(**kwargs)
+        if backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
+        if backward_passes_per_step > 1 and not micro_batch_size:
+            raise ValueError("micro_batch_size is needed to split a batch into micro-batches")
+        self.inner = model
+        self.backward_passes_per_step = backward_passes_per_step
+        self.micro_batch_size = micro_batch_size
+        self.op = hvd.Average if op is None else op
+        self.fp16_allreduce = fp16_allreduce
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.loss_fn = loss_fn
+        self.loss_tracker = keras.metrics.Mean(name="loss", dtype="float64")
+        self.built = model.built
+
+    def call(self, inputs, training=False):
+        return self.inner(inputs, training=training)
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+    def compile(self, optimizer, **kwargs):
+        """``keras.Model.compile`` with ``jit_compile=False`` forced: Horovod's TensorFlow ops have
+        no XLA implementation in this build, and Keras 3 turns XLA on by default ("auto") when a
+        GPU is visible."""
+        if kwargs.get("jit_compile") not in (None, False):
+            raise ValueError("DistributedModel cannot run under XLA (jit_compile must be False)")
+        kwargs["jit_compile"] = False
+        super().compile(optimizer=optimizer, **kwargs)
+
+    def _micro_batches(self, x, y):
+        k, b = self.backward_passes_per_step, self.micro_batch_size
+        if k == 1:
+            return [(x, y)]
+        return [(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]) for i in range(k)]
+
+    def train_step(self, data):
+        x, y = data[0], data[1]
+        variables = self.trainable_variables
+        k = self.backward_passes_per_step
+        accumulated = None
+        for xs, ys in self._micro_batches(x, y):  # unrolled at trace time: K is a constant
+            with tf.GradientTape() as tape:
+                per_example = self.loss_fn(ys, self.inner(xs, training=True))
+                loss = tf.reduce_mean(tf.cast(per_example, tf.float32))
+                scaled = self.optimizer.scale_loss(loss / k if k > 1 else loss)
+            grads = tape.gradient(scaled, variables)
+            accumulated = grads if accumulated is None else [
+                a + g for a, g in zip(accumulated, grads, strict=True)]
+            self.loss_tracker.update_state(per_example)
+        grads = allreduce_gradients(accumulated, op=self.op, fp16=self.fp16_allreduce,
+                                    gradient_predivide_factor=self.gradient_predivide_factor)
+        self.optimizer.apply_gradients(zip(grads, variables, strict=True))
+        return {m.name: m.result() for m in self.metrics}
+
+
+# --- exact metrics -----------------------------------------------------------------------------
+
+def allreduce_sums(values: Sequence[float], name: str) -> np.ndarray:
+    """Element-wise float64 sum of ``values`` over all ranks (eager, one collective)."""
+    totals = np.asarray(values, dtype=np.float64)
+    if hvd.size() == 1:
+        return totals
+    return hvd.allreduce(tf.constant(totals), op=hvd.Sum, name=name).numpy()
+
+
+class MetricAverage(keras.callbacks.Callback):
+    """Replace each mean-type metric in the epoch logs with its exact value over all ranks.
+
+    Any metric with ``total`` and ``count`` variables (``keras.metrics.Mean`` and friends, the
+    ``DistributedModel.loss_tracker``) is summed across ranks and divided once, so ranks with
+    more examples weigh more, exactly as if one process had seen everything.  (Horovod's own
+    ``MetricAverageCallback`` averages the per-rank averages instead.)  The global (total, count)
+    pairs of the last epoch stay in :attr:`totals`.  Place it before callbacks that read the logs.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.totals: dict[str, tuple[float, float]] = {}
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        for i, metric in enumerate(self.model.metrics):
+            if not (hasattr(metric, "total") and hasattr(metric, "count")):
+                continue
+            total, count = allreduce_sums(
+                [float(metric.total.numpy()), float(metric.count.numpy())], name=f"metric.{i}")
+            self.totals[metric.name] = (total, count)
+            if logs is not None:
+                logs[metric.name] = total / count if count else float("nan")
+
+
+# --- learning rate -----------------------------------------------------------------------------
+
+@keras.saving.register_keras_serializable(package="ringtrain")
+class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """:func:`launch.lr.lr_at` per optimizer step: linear warm-up from ``base_lr`` to
+    ``target_lr`` over ``warmup_epochs`` epochs of ``steps_per_epoch`` steps, then constant.
+
+    The step is the optimizer's own ``iterations`` counter, so a checkpoint of the optimizer
+    variables carries the position in the schedule and a resumed run continues where it stopped.
+    Called with a Python number it returns ``lr_at`` itself; in a graph it computes the same
+    piecewise-linear function with TensorFlow ops.  ``get_config`` makes the optimizer
+    serialisable (``optimizer.get_config`` / ``from_config``).
+    """
+
+    def __init__(self, base_lr: float, target_lr: float, warmup_epochs: float,
+                 steps_per_epoch: int) -> None:
+        self.base_lr = float(base_lr)
+        self.target_lr = float(target_lr)
+        self.warmup_epochs = float(warmup_epochs)
+        self.steps_per_epoch = int(steps_per_epoch)
+
+    def __call__(self, step):
+        if isinstance(step, int | float | np.integer | np.floating):
+            return lr_at(float(step) / self.steps_per_epoch, self.base_lr, self.target_lr,
+                         self.warmup_epochs)
+        if self.warmup_epochs <= 0:
+            return tf.constant(self.target_lr, tf.float32)
+        progress = tf.cast(tf.convert_to_tensor(step), tf.float32) / self.steps_per_epoch
+        fraction = tf.minimum(progress / self.warmup_epochs, 1.0)
+        return self.base_lr + (self.target_lr - self.base_lr) * fraction
+
+    def get_config(self) -> dict:
+        return {"base_lr": self.base_lr, "target_lr": self.target_lr,
+                "warmup_epochs": self.warmup_epochs, "steps_per_epoch": self.steps_per_epoch}
