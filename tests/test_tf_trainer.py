@@ -92,6 +92,11 @@ def test_warmup_schedule_is_lr_at_and_serialisable():
         assert sched(step) == pytest.approx(want)
         assert float(sched(tf.constant(step, tf.int64))) == pytest.approx(want, rel=1e-6)
     assert float(WarmupSchedule(0.01, 0.04, 0, 10)(tf.constant(0))) == pytest.approx(0.04)
+    cosine = WarmupSchedule(0.01, 0.04, 1, 10, total_epochs=4, decay="cosine")
+    for step in range(0, 45):
+        want = lr_at(step / 10, 0.01, 0.04, 1, 4, "cosine")
+        assert cosine(step) == pytest.approx(want)
+        assert float(cosine(tf.constant(step, tf.int64))) == pytest.approx(want, rel=1e-5, abs=1e-8)
 
     opt = keras.optimizers.SGD(learning_rate=sched, momentum=0.9)
     clone = keras.optimizers.SGD.from_config(opt.get_config())

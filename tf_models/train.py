@@ -49,9 +49,10 @@ def configure_devices(local_rank: int, local_size: int) -> bool:
     """Threads and GPU for this rank; must run before TensorFlow executes its first op.
 
     Intra-op threads are the host's cores split among its ranks (see
-    :func:`launch.runtime.threads_per_rank`); inter-op 2 leaves room for Horovod's asynchronous
-    ops and the input pipeline without oversubscribing.  On GPU machines each rank sees only its
-    local-rank GPU, with memory growth so it does not grab the whole card up front.
+    :func:`launch.runtime.threads_per_rank`); 2 inter-op threads allow a little overlap between
+    independent ops (the input gather, the allreduce) without oversubscribing the cores.  On GPU
+    machines each rank sees only its local-rank GPU, with memory growth so it does not grab the
+    whole card up front.
     """
     tf.config.threading.set_intra_op_parallelism_threads(threads_per_rank(local_size))
     tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -103,7 +104,12 @@ def train_dataset(images_u8: np.ndarray, labels: np.ndarray, batches: list[np.nd
     def gather(idx):
         return normalize_images(tf.gather(images, idx)), tf.gather(targets, idx)
 
-    return tf.data.Dataset.from_tensor_slices(rows).map(gather)
+    # No autotuning: a gather per step has nothing to tune, and with it on, tearing the iterator
+    # down at the end of ``fit`` stalled for up to a minute on long runs (tf.data's autotune
+    # thread naps for ever longer periods, up to 60 s, and the teardown waited for it).
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return tf.data.Dataset.from_tensor_slices(rows).map(gather).prefetch(2).with_options(options)
 
 
 def make_evaluator(net: keras.Model):
@@ -277,7 +283,8 @@ def train(args: argparse.Namespace) -> Summary:
     param_count = net.count_params()
     target_lr = scaled_lr(args.base_lr, size, args.lr_scaling, args.adasum)
     optimizer = keras.optimizers.SGD(
-        learning_rate=WarmupSchedule(args.base_lr, target_lr, args.warmup_epochs, steps),
+        learning_rate=WarmupSchedule(args.base_lr, target_lr, args.warmup_epochs, steps,
+                                     args.epochs, args.lr_decay),
         momentum=args.momentum)
     if args.amp:
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
