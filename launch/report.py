@@ -126,3 +126,17 @@ class Reporter:
     def write_summary(self, path: str | None, summary: Summary) -> None:
         if self.enabled and path:
             atomic_write_bytes(path, summary.to_json().encode())
+
+    def finish(self, summary: Summary, *, test_loss: float, test_acc: float, train_seconds: float,
+               images_seen: float, params: Iterable[np.ndarray], allgather_object,
+               metrics_out: str | None) -> Summary:
+        """Close the run on every rank: gather each rank's parameter checksum (a collective, so
+        all ranks call this), then rank 0 writes the summary and prints the final line."""
+        summary.final_test_loss, summary.final_test_accuracy = test_loss, test_acc
+        summary.total_seconds = train_seconds
+        summary.images_per_second = images_seen / train_seconds if train_seconds else 0.0
+        summary.param_checksums = allgather_object(param_checksum(params), name="checksums")
+        self.write_summary(metrics_out, summary)
+        self.info(f"final test accuracy {100 * test_acc:.2f}% ({summary.images_per_second:.0f} "
+                  f"img/s over {train_seconds:.1f}s of training)")
+        return summary

@@ -28,8 +28,8 @@ import tensorflow as tf
 from launch import checkpoint, cli, mnist
 from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
-from launch.report import EpochRecord, Reporter, Summary, param_checksum
-from launch.runtime import controller, threads_per_rank
+from launch.report import EpochRecord, Reporter, Summary
+from launch.runtime import configure_stall_check, controller, threads_per_rank
 from launch.sharding import eval_indices, shard_indices, steps_per_epoch
 from tf_models.horovod_keras import (
     DistributedModel,
@@ -232,8 +232,9 @@ class EpochEnd(keras.callbacks.Callback):
         test_loss, test_acc = self.evaluate(self.test_x, self.test_y)
         self.train_seconds += seconds
         self.images_seen += images
+        # the LR of the epoch's last step, as the torch trainer reports it
         lr = lr_at(epoch - 1 + (self.steps - 1) / self.steps, args.base_lr, self.target_lr,
-                   args.warmup_epochs)  # the LR of the epoch's last step, as the torch trainer
+                   args.warmup_epochs, args.epochs, args.lr_decay)
         rec = EpochRecord(epoch=epoch, train_loss=loss_total / images, test_loss=test_loss,
                           test_accuracy=test_acc, lr=lr, seconds=seconds,
                           images_per_second=images / seconds)
@@ -247,6 +248,7 @@ class EpochEnd(keras.callbacks.Callback):
 # --- the job -----------------------------------------------------------------------------------
 
 def train(args: argparse.Namespace) -> Summary:
+    configure_stall_check(args.stall_timeout)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     use_gpu = configure_devices(hvd.local_rank(), hvd.local_size())
@@ -337,16 +339,10 @@ def train(args: argparse.Namespace) -> Summary:
         test_loss, test_acc = summary.epochs[-1].test_loss, summary.epochs[-1].test_accuracy
     else:  # resumed past the last epoch: still report where the model stands
         test_loss, test_acc = evaluate(test_x, test_y)
-    train_seconds = epoch_end.train_seconds
-    summary.final_test_loss, summary.final_test_accuracy = test_loss, test_acc
-    summary.total_seconds = train_seconds
-    summary.images_per_second = epoch_end.images_seen / train_seconds if train_seconds else 0.0
-    params = [w.numpy() for w in net.weights]
-    summary.param_checksums = hvd.allgather_object(param_checksum(params), name="checksums")
-    report.write_summary(args.metrics_out, summary)
-    report.info(f"final test accuracy {100 * test_acc:.2f}% ({summary.images_per_second:.0f} "
-                f"img/s over {train_seconds:.1f}s of training)")
-    return summary
+    return report.finish(summary, test_loss=test_loss, test_acc=test_acc,
+                         train_seconds=epoch_end.train_seconds, images_seen=epoch_end.images_seen,
+                         params=[w.numpy() for w in net.weights],
+                         allgather_object=hvd.allgather_object, metrics_out=args.metrics_out)
 
 
 def main_with(args: argparse.Namespace) -> int:

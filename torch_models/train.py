@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from launch import checkpoint, cli, mnist
 from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
-from launch.report import EpochRecord, Reporter, Summary, param_checksum
+from launch.report import EpochRecord, Reporter, Summary
 from launch.runtime import configure_stall_check, controller, threads_per_rank
 from launch.sharding import eval_indices, shard_indices, steps_per_epoch
 from torch_models.model import MODEL_NAME, MnistCNN
@@ -200,15 +200,10 @@ def train(args: argparse.Namespace) -> Summary:
 
     if not summary.epochs:  # resumed past the last epoch: still report where the model stands
         test_loss, test_acc = evaluate(model, test_x, test_y, 1000)
-    summary.final_test_loss, summary.final_test_accuracy = test_loss, test_acc
-    summary.total_seconds = train_seconds
-    summary.images_per_second = images_seen / train_seconds if train_seconds else 0.0
-    params = [p.detach().cpu().numpy() for p in model.parameters()]
-    summary.param_checksums = hvd.allgather_object(param_checksum(params), name="checksums")
-    report.write_summary(args.metrics_out, summary)
-    report.info(f"final test accuracy {100 * test_acc:.2f}% ({summary.images_per_second:.0f} "
-                f"img/s over {train_seconds:.1f}s of training)")
-    return summary
+    return report.finish(summary, test_loss=test_loss, test_acc=test_acc, train_seconds=train_seconds,
+                         images_seen=images_seen, allgather_object=hvd.allgather_object,
+                         params=[p.detach().cpu().numpy() for p in model.parameters()],
+                         metrics_out=args.metrics_out)
 
 
 def main_with(args: argparse.Namespace) -> int:
