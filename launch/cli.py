@@ -128,6 +128,9 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
 
 def validate_world(args: argparse.Namespace, world_size: int) -> None:
     """Checks that need the world size, run right after ``hvd.init()`` on every rank."""
+    if args.adasum and world_size & (world_size - 1):
+        raise UserError(f"--adasum needs a power-of-two number of processes, not {world_size}; run "
+                        f"2, 4, 8... processes or drop --adasum")
     n = args.train_samples or TRAIN_SIZE
     if n < world_size:
         raise UserError(f"--train-samples {n} is smaller than the world size {world_size}: every "

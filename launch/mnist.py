@@ -172,7 +172,9 @@ def load_on_all_ranks(data_dir: str | None, rank: int, broadcast_object) -> Mnis
             data = load(data_dir, download=True)
         except UserError as err:
             problem = str(err)
-    problem = broadcast_object(problem, root_rank=0)
+    # An explicit name: Horovod's default is the object's type, which differs (str vs None)
+    # exactly when rank 0 has something to report, and mismatched names hang the job.
+    problem = broadcast_object(problem, root_rank=0, name="mnist_problem")
     if problem is not None:
         raise UserError(problem)
     return data if data is not None else load(data_dir, download=False)

@@ -87,3 +87,16 @@ def test_unwritable_checkpoint_folder(module, tmp_path):
     blocker.write_text("not a folder")
     proc = run([sys.executable, "-m", module, *SMALL, "--checkpoint-dir", str(blocker / "ckpt")])
     one_error_line(proc, "is not writable", "--checkpoint-dir")
+
+
+@requires_horovod
+@pytest.mark.parametrize("module", ["launch.torch_mnist", "launch.tf_mnist"])
+def test_missing_data_under_horovodrun_fails_fast(module, tmp_path):
+    """Rank 0's data problem reaches every rank: the job exits 2 at once instead of hanging the
+    others in their next collective (a broadcast whose name differed by payload type once did)."""
+    proc = train(module, [*SMALL, "--data-dir", str(tmp_path / "nowhere"), "--stall-timeout", "0"],
+                 np=2, expect_ok=False, timeout=120,
+                 env={"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"})
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and str(tmp_path / "nowhere") in errors[0], proc.stderr[-2000:]

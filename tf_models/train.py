@@ -253,9 +253,6 @@ def train(args: argparse.Namespace) -> Summary:
     rank, size = hvd.rank(), hvd.size()
     use_gpu = configure_devices(hvd.local_rank(), hvd.local_size())
     cli.validate_world(args, size)
-    if args.adasum and size & (size - 1):
-        raise UserError(f"--adasum needs a power-of-two number of processes, not {size}; run "
-                        f"2, 4, 8... processes or drop --adasum")
     if args.amp and not use_gpu:
         raise UserError("--amp needs a CUDA GPU; drop the flag on CPU machines")
     report = Reporter(rank == 0, progress=not args.no_progress)
