@@ -178,3 +178,16 @@ def load_on_all_ranks(data_dir: str | None, rank: int, broadcast_object) -> Mnis
     if problem is not None:
         raise UserError(problem)
     return data if data is not None else load(data_dir, download=False)
+
+
+def rank_view(data: Mnist, train_samples: int | None, test_samples: int | None, rank: int,
+              world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(train images, train labels, test images, test labels) as one rank uses them: the first
+    ``train_samples`` training images (sharded per epoch later) and this rank's strided test shard."""
+    from launch.sharding import eval_indices
+
+    n_train = train_samples or len(data.train_labels)
+    test_idx = eval_indices(min(test_samples or len(data.test_labels), len(data.test_labels)),
+                            rank, world_size)
+    return (data.train_images[:n_train], data.train_labels[:n_train],
+            data.test_images[test_idx], data.test_labels[test_idx])

@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from launch.errors import UserError
+
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     """The epoch's global sample order, identical on every rank and in every framework."""
@@ -42,3 +44,15 @@ def eval_indices(num_samples: int, rank: int, world_size: int) -> np.ndarray:
 def steps_per_epoch(num_samples: int, world_size: int, batch_size: int) -> int:
     """Optimizer steps every rank runs per epoch (the last batch may be partial, equal everywhere)."""
     return math.ceil((num_samples // world_size) / batch_size)
+
+
+def optimizer_steps(num_samples: int, world_size: int, batch_size: int, backward_passes: int,
+                    max_steps: int | None = None) -> int:
+    """Optimizer steps per epoch, equal on every rank: batches grouped by ``backward_passes``
+    (trailing batches that do not fill a group are dropped), capped by ``max_steps``."""
+    batches = steps_per_epoch(num_samples, world_size, batch_size)
+    if batches < backward_passes:
+        raise UserError(f"each rank gets {batches} batches per epoch, fewer than "
+                        f"--backward-passes-per-step {backward_passes}; use more data or a smaller batch")
+    steps = batches // backward_passes
+    return min(steps, max_steps) if max_steps else steps

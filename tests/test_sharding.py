@@ -51,3 +51,14 @@ def test_eval_shards_cover_everything_once():
 def test_rejects_impossible_worlds(rank, world, n):
     with pytest.raises(ValueError):
         shard_indices(n, rank, world, 0, 0)
+
+
+def test_optimizer_steps_groups_and_caps():
+    from launch.errors import UserError
+    from launch.sharding import optimizer_steps
+
+    assert optimizer_steps(1000, 2, 32, 1) == 16  # 500 per rank -> 16 batches (last partial)
+    assert optimizer_steps(1000, 2, 32, 3) == 5  # 16 batches in groups of 3, remainder dropped
+    assert optimizer_steps(1000, 2, 32, 1, max_steps=4) == 4
+    with pytest.raises(UserError, match="fewer than --backward-passes-per-step 20"):
+        optimizer_steps(1000, 2, 32, 20)

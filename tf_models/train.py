@@ -30,7 +30,7 @@ from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
 from launch.report import EpochRecord, Reporter, Summary
 from launch.runtime import configure_stall_check, controller, threads_per_rank
-from launch.sharding import eval_indices, shard_indices, steps_per_epoch
+from launch.sharding import optimizer_steps, shard_indices
 from tf_models.horovod_keras import (
     DistributedModel,
     MetricAverage,
@@ -260,21 +260,13 @@ def train(args: argparse.Namespace) -> Summary:
         checkpoint.ensure_writable(args.checkpoint_dir)
 
     data = mnist.load_on_all_ranks(args.data_dir, rank, hvd.broadcast_object)
-    n_train = args.train_samples or len(data.train_labels)
-    n_test = args.test_samples or len(data.test_labels)
-    train_images, train_labels = data.train_images[:n_train], data.train_labels[:n_train]
-    test_idx = eval_indices(min(n_test, len(data.test_labels)), rank, size)
-    test_x = mnist.normalize(data.test_images[test_idx])[..., np.newaxis]
-    test_y = data.test_labels[test_idx]
+    train_images, train_labels, test_images, test_y = mnist.rank_view(
+        data, args.train_samples, args.test_samples, rank, size)
+    n_train = len(train_labels)
+    test_x = mnist.normalize(test_images)[..., np.newaxis]
 
     k = args.backward_passes_per_step
-    batches = steps_per_epoch(n_train, size, args.batch_size)
-    if batches < k:
-        raise UserError(f"each rank gets {batches} batches per epoch, fewer than "
-                        f"--backward-passes-per-step {k}; use more data or a smaller batch")
-    steps = batches // k
-    if args.max_steps:
-        steps = min(steps, args.max_steps)
+    steps = optimizer_steps(n_train, size, args.batch_size, k, args.max_steps)
 
     # Different seeds per rank on purpose: the broadcast below, not luck, makes ranks agree.
     keras.utils.set_random_seed(args.seed + rank)

@@ -22,7 +22,7 @@ from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
 from launch.report import EpochRecord, Reporter, Summary
 from launch.runtime import configure_stall_check, controller, threads_per_rank
-from launch.sharding import eval_indices, shard_indices, steps_per_epoch
+from launch.sharding import optimizer_steps, shard_indices
 from torch_models.model import MODEL_NAME, MnistCNN
 
 CKPT_EXT = "pt"
@@ -101,11 +101,11 @@ def train(args: argparse.Namespace) -> Summary:
         checkpoint.ensure_writable(args.checkpoint_dir)
 
     data = mnist.load_on_all_ranks(args.data_dir, rank, hvd.broadcast_object)
-    n_train = args.train_samples or len(data.train_labels)
-    n_test = args.test_samples or len(data.test_labels)
-    train_x, train_y = to_tensors(data.train_images[:n_train], data.train_labels[:n_train], device)
-    test_idx = eval_indices(min(n_test, len(data.test_labels)), rank, size)
-    test_x, test_y = to_tensors(data.test_images[test_idx], data.test_labels[test_idx], device)
+    train_images, train_labels, test_images, test_labels = mnist.rank_view(
+        data, args.train_samples, args.test_samples, rank, size)
+    n_train = len(train_labels)
+    train_x, train_y = to_tensors(train_images, train_labels, device)
+    test_x, test_y = to_tensors(test_images, test_labels, device)
 
     # Different seeds per rank on purpose: the broadcast below, not luck, makes ranks agree.
     torch.manual_seed(args.seed + rank)
@@ -132,13 +132,7 @@ def train(args: argparse.Namespace) -> Summary:
     scaler = torch.amp.GradScaler("cuda") if args.amp else None
 
     k = args.backward_passes_per_step
-    batches = steps_per_epoch(n_train, size, args.batch_size)
-    if batches < k:
-        raise UserError(f"each rank gets {batches} batches per epoch, fewer than "
-                        f"--backward-passes-per-step {k}; use more data or a smaller batch")
-    steps = batches // k
-    if args.max_steps:
-        steps = min(steps, args.max_steps)
+    steps = optimizer_steps(n_train, size, args.batch_size, k, args.max_steps)
 
     summary = Summary(
         framework="torch", versions={"torch": torch.__version__, "horovod": horovod.__version__},
