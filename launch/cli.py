@@ -62,6 +62,12 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--gradient-predivide-factor", type=float, default=1.0,
                    help="divide gradients by F before the sum and by size/F after (fp16 range)")
 
+    g.add_argument("--elastic", action="store_true",
+                   help="keep training when workers leave or join (horovodrun --min-np/--max-np "
+                        "--host-discovery-script ...; PyTorch only; see docs/fault-tolerance.md)")
+    g.add_argument("--commit-every", type=int, default=20,
+                   help="with --elastic: commit the training state every N steps; a lost worker "
+                        "costs at most N steps of redone work (default 20)")
     g.add_argument("--stall-timeout", type=float, default=120.0,
                    help="seconds a rank may lag its peers' collectives before Horovod's stall "
                         "check shuts the job down instead of hanging (default 120; 0 = never)")
@@ -119,6 +125,11 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         raise UserError("--gradient-predivide-factor must be positive")
     if args.adasum and args.gradient_predivide_factor != 1.0:
         raise UserError("--gradient-predivide-factor works only with averaging, not --adasum")
+    if args.commit_every <= 0:
+        raise UserError(f"--commit-every must be a positive number of steps, got {args.commit_every}")
+    if args.elastic and args.adasum:
+        raise UserError("--adasum needs a power-of-two world size, which an --elastic job cannot "
+                        "promise; drop one of the two flags")
     if args.stall_timeout < 0:
         raise UserError(f"--stall-timeout must be >= 0 seconds, got {args.stall_timeout}")
     if args.resume and not args.checkpoint_dir:

@@ -78,6 +78,7 @@ class Summary:
     param_checksums: list[str] = field(default_factory=list)
     param_count: int = 0
     resumed_from_epoch: int | None = None
+    elastic_resizes: list[dict[str, Any]] | None = None  # (epoch, sample, world size) changes
     host: dict[str, Any] = field(default_factory=lambda: {
         "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()})
 

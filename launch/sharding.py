@@ -24,12 +24,27 @@ def shard_indices(
     num_samples: int, rank: int, world_size: int, seed: int, epoch: int, shuffle: bool = True
 ) -> np.ndarray:
     """Indices of this rank's training shard for ``epoch``: ``perm[rank::world_size]``, trimmed."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
     if num_samples < world_size:
         raise ValueError(f"{num_samples} samples cannot feed {world_size} ranks")
+    return remaining_shard(num_samples, 0, rank, world_size, seed, epoch, shuffle)
+
+
+def remaining_shard(num_samples: int, consumed: int, rank: int, world_size: int, seed: int,
+                    epoch: int, shuffle: bool = True) -> np.ndarray:
+    """This rank's share of the epoch's samples after the first ``consumed`` of its order.
+
+    Elastic jobs change world size mid-epoch.  Because a strided shard consumed in prefix order
+    covers exactly a prefix of the epoch order (after s samples per rank, ``order[:N*s]``), the
+    job's position in an epoch is one integer, and re-sharding the rest for a new world size
+    keeps the epoch's data order, skipping and repeating nothing.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if not 0 <= consumed <= num_samples:
+        raise ValueError(f"consumed {consumed} is outside an epoch of {num_samples} samples")
     order = epoch_permutation(num_samples, seed, epoch) if shuffle else np.arange(num_samples)
-    return order[rank::world_size][: num_samples // world_size]
+    rest = order[consumed:]
+    return rest[rank::world_size][: len(rest) // world_size]
 
 
 def eval_indices(num_samples: int, rank: int, world_size: int) -> np.ndarray:

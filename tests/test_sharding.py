@@ -62,3 +62,30 @@ def test_optimizer_steps_groups_and_caps():
     assert optimizer_steps(1000, 2, 32, 1, max_steps=4) == 4
     with pytest.raises(UserError, match="fewer than --backward-passes-per-step 20"):
         optimizer_steps(1000, 2, 32, 20)
+
+
+@pytest.mark.parametrize("before,after", [(2, 3), (3, 1), (4, 2), (1, 4)])
+def test_resharding_mid_epoch_keeps_the_epoch_order(before, after):
+    """Elastic resize: what ranks consumed before plus what the new world gets is one prefix of the
+    epoch order, with nothing skipped or seen twice."""
+    from launch.sharding import remaining_shard
+
+    n, batch, steps_done, seed, epoch = 997, 8, 5, 3, 2
+    order = epoch_permutation(n, seed, epoch)
+    first = [remaining_shard(n, 0, r, before, seed, epoch)[: steps_done * batch] for r in range(before)]
+    consumed = before * steps_done * batch
+    seen = np.concatenate(first)
+    np.testing.assert_array_equal(np.sort(seen), np.sort(order[:consumed]))
+    rest = [remaining_shard(n, consumed, r, after, seed, epoch) for r in range(after)]
+    assert len({len(s) for s in rest}) == 1  # equal steps for the new world too
+    everything = np.concatenate([seen, *rest])
+    assert len(np.unique(everything)) == len(everything)
+    np.testing.assert_array_equal(np.sort(everything),
+                                  np.sort(order[: consumed + after * ((n - consumed) // after)]))
+
+
+def test_remaining_shard_from_zero_is_the_plain_shard():
+    from launch.sharding import remaining_shard
+
+    for r in range(3):
+        np.testing.assert_array_equal(remaining_shard(100, 0, r, 3, 1, 4), shard_indices(100, r, 3, 1, 4))

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from launch import checkpoint, cli, mnist
+from launch.elastic import check_launcher
 from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
 from launch.report import EpochRecord, Reporter, Summary
@@ -335,5 +336,9 @@ def train(args: argparse.Namespace) -> Summary:
 
 
 def main_with(args: argparse.Namespace) -> int:
+    if args.elastic:
+        raise UserError("--elastic is implemented for PyTorch only (launch.torch_mnist): Horovod "
+                        "0.28.1's elastic Keras state is written for Keras 2 and fails on Keras 3")
+    check_launcher(False)
     train(args)
     return 0

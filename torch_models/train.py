@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from launch import checkpoint, cli, mnist
+from launch.elastic import check_launcher
 from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
 from launch.report import EpochRecord, Reporter, Summary
@@ -201,5 +202,11 @@ def train(args: argparse.Namespace) -> Summary:
 
 
 def main_with(args: argparse.Namespace) -> int:
-    train(args)
+    check_launcher(args.elastic)
+    if args.elastic:
+        from torch_models.elastic import train_elastic
+
+        train_elastic(args)
+    else:
+        train(args)
     return 0

@@ -1,0 +1,149 @@
+"""Elastic training: a real ``horovodrun`` elastic job keeps training while workers come and go.
+
+The two "hosts" are ``localhost`` and ``127.0.0.1``: Horovod's driver tells hosts apart by name but
+runs both locally (both addresses belong to this machine), so host membership changes need no
+second machine.  The tests edit the discovery file or SIGKILL a worker mid-run, then check the
+job's own account of it (the summary's ``elastic_resizes``) and the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import BIN, REPO, requires_horovod
+
+pytestmark = requires_horovod
+
+DISCOVER = REPO / "launch" / "discover_hosts.sh"
+JOB = ["--train-samples", "1536", "--test-samples", "500", "--batch-size", "32", "--no-progress",
+       "--commit-every", "4", "--seed", "3"]
+
+
+class ElasticJob:
+    """A running elastic job whose output lines are collected as they arrive."""
+
+    def __init__(self, tmp_path: Path, hosts: list[str], np: int, max_np: int, epochs: int):
+        self.hosts_file = tmp_path / "hosts.txt"
+        self.set_hosts(hosts)
+        self.metrics_path = tmp_path / "metrics.json"
+        cmd = [str(BIN / "horovodrun"), "-np", str(np), "--min-np", "1", "--max-np", str(max_np),
+               "--host-discovery-script", str(DISCOVER), "--network-interface", "lo",
+               sys.executable, "-m", "launch.torch_mnist", "--elastic", *JOB, "--epochs", str(epochs),
+               "--metrics-out", str(self.metrics_path)]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "RINGTRAIN_HOSTS": str(self.hosts_file)}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env, cwd=tmp_path, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def set_hosts(self, hosts: list[str]) -> None:
+        tmp = self.hosts_file.with_suffix(".tmp")  # the driver reads it every second: swap whole
+        tmp.write_text("".join(f"{h}\n" for h in hosts))
+        tmp.replace(self.hosts_file)
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 150) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(re.search(pattern, line) for line in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"never saw {pattern!r}:\n{self.output()[-4000:]}")
+            time.sleep(0.2)
+
+    def finish(self, timeout: float = 240) -> dict:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"elastic job did not finish in {timeout}s:\n{self.output()[-4000:]}")
+        self._reader.join(timeout=10)
+        print(self.output())  # shown by pytest -s, or with a failure below
+        assert self.proc.returncode == 0, self.output()[-4000:]
+        return json.loads(self.metrics_path.read_text())
+
+    def workers(self, host: str) -> list[psutil.Process]:
+        """The job's worker processes that the driver placed on ``host``."""
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            cmd = proc.info["cmdline"] or []
+            if "launch.torch_mnist" in cmd and str(self.metrics_path) in cmd:
+                try:
+                    if proc.environ().get("HOROVOD_HOSTNAME") == host:
+                        found.append(proc)
+                except psutil.Error:
+                    pass
+        return found
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for proc in self.workers("localhost") + self.workers("127.0.0.1"):
+            proc.kill()
+
+
+def world_sizes(summary: dict) -> list[int]:
+    return [r["world_size"] for r in summary["elastic_resizes"]]
+
+
+def check_trained(summary: dict, epochs: int) -> None:
+    assert [r["epoch"] for r in summary["epochs"]] == list(range(1, epochs + 1))
+    losses = [r["train_loss"] for r in summary["epochs"]]
+    assert losses[-1] < losses[0]
+    assert summary["final_test_accuracy"] > 0.8
+    assert len(set(summary["param_checksums"])) == 1, summary["param_checksums"]
+
+
+def test_elastic_grows_and_shrinks_with_the_host_list(tmp_path):
+    """1 worker -> a host is added -> removed again -> added again: the job re-shards and rescales
+    the LR each time and ends with every worker holding the same weights."""
+    job = ElasticJob(tmp_path, ["localhost:1"], np=1, max_np=2, epochs=4)
+    job.wait_for(r"epoch 1/4:")
+    job.set_hosts(["localhost:1", "127.0.0.1:1"])
+    job.wait_for(r"elastic: 2 worker")
+    job.wait_for(r"epoch 2/4:")
+    job.set_hosts(["localhost:1"])
+    job.wait_for(r"elastic: 1 worker\(s\) from epoch [23]")
+    job.wait_for(r"epoch 3/4:")
+    job.set_hosts(["localhost:1", "127.0.0.1:1"])
+    summary = job.finish()
+    assert world_sizes(summary) == [1, 2, 1, 2]
+    base = summary["base_lr"]
+    assert [r["target_lr"] for r in summary["elastic_resizes"]] == pytest.approx(
+        [base, 2 * base, base, 2 * base])
+    assert summary["world_size"] == 2 and len(summary["param_checksums"]) == 2
+    check_trained(summary, 4)
+
+
+def test_elastic_survives_a_killed_worker(tmp_path):
+    """SIGKILL one of two workers mid-run: the survivor rolls back to the last commit, carries on
+    alone with the single-worker LR, and the job still finishes every epoch and exits 0."""
+    job = ElasticJob(tmp_path, ["localhost:1", "127.0.0.1:1"], np=2, max_np=2, epochs=3)
+    job.wait_for(r"epoch 1/3:")
+    victims = job.workers("127.0.0.1")
+    assert len(victims) == 1
+    victims[0].send_signal(signal.SIGKILL)
+    job.wait_for(r"elastic: 1 worker")
+    summary = job.finish()
+    assert world_sizes(summary) == [2, 1]
+    assert summary["elastic_resizes"][1]["target_lr"] == pytest.approx(summary["base_lr"])
+    check_trained(summary, 3)
+    assert not job.workers("127.0.0.1") and not job.workers("localhost")
