@@ -1,0 +1,85 @@
+"""Bench-local PyTorch training loop; ``--wrapper none|horovod|ddp`` is the only difference.
+
+``none``: plain ``python``.  ``horovod``: under ``horovodrun``, ``hvd.DistributedOptimizer`` plus
+the initial broadcast, as in :mod:`torch_models.train`.  ``ddp``: under ``torchrun``,
+``DistributedDataParallel`` over gloo.  No per-step ``.item()``, no LR schedule, no metrics: just
+forward, backward, gradient exchange, step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from bench.loopcommon import StepClock, mnist_shard, parser, synthetic_batch, write_result
+from launch.runtime import threads_per_rank
+from torch_models.model import MnistCNN
+
+
+def main() -> None:
+    args = parser(("none", "horovod", "ddp")).parse_args()
+    rank, size, local_size, hvd, dist = 0, 1, 1, None, None
+    if args.wrapper == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+        rank, size, local_size = hvd.rank(), hvd.size(), hvd.local_size()
+    elif args.wrapper == "ddp":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    threads = args.threads or threads_per_rank(local_size)
+    torch.set_num_threads(threads)
+
+    torch.manual_seed(rank)
+    model = MnistCNN()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.base_lr * size, momentum=0.9)
+    if hvd is not None:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    if dist is not None:
+        model = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights
+
+    if args.data == "synthetic":
+        x, y = synthetic_batch(args.batch_size, rank)
+        fixed = (torch.from_numpy(x).unsqueeze(1), torch.from_numpy(y))
+    else:
+        images, labels, idx = mnist_shard(rank, size)
+        all_x, all_y = torch.from_numpy(images).unsqueeze(1), torch.from_numpy(labels)
+        idx = torch.from_numpy(idx)
+
+    clock = StepClock(args.warmup_steps)
+    model.train()
+    for step in range(args.warmup_steps + args.steps):
+        if args.data == "synthetic":
+            bx, by = fixed
+        else:
+            start = (step * args.batch_size) % (len(idx) - args.batch_size)
+            b = idx[start:start + args.batch_size]
+            bx, by = all_x[b], all_y[b]
+        optimizer.zero_grad()
+        F.cross_entropy(model(bx), by).backward()
+        optimizer.step()
+        clock.tick()
+    clock.stop()
+    # every rank's clock, the slowest one counts (they finish together up to one step anyway)
+    seconds = torch.tensor([clock.seconds])
+    if hvd is not None:
+        seconds = hvd.allreduce(seconds, op=hvd.Max, name="bench_seconds")
+    elif dist is not None:
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        write_result(args.out, framework="torch", wrapper=args.wrapper, data=args.data, size=size,
+                     batch=args.batch_size, steps=args.steps, seconds=float(seconds[0]),
+                     threads=threads, extra={"torch": torch.__version__})
+    if dist is not None:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Launching processes the way users do, and the small facts every benchmark part shares."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+PY = sys.executable
+# Which variable carries the rank depends on the launcher; bench's own launches set BENCH_RANK.
+RANK_ENV_VARS = ("BENCH_RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "PMI_RANK")
+
+
+def launcher_rank() -> int | None:
+    for name in RANK_ENV_VARS:
+        value = os.environ.get(name)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """The environment every launched job gets: repo importable, TF's C++ banner off."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONUNBUFFERED": "1"}
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_exec(module: str, args: Sequence[str]) -> list[str]:
+    """``python -m bench.rankexec module args``: the per-rank wrapper that records peak RSS (and
+    runs py-spy on rank 0 when asked), so every side of a comparison is measured the same way."""
+    return [PY, "-m", "bench.rankexec", module, *args]
+
+
+def horovodrun(np: int, cmd: Sequence[str], gloo: bool = False,
+               timeline: str | None = None) -> list[str]:
+    out = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}"]
+    if gloo:
+        out.append("--gloo")
+    if timeline:
+        out += ["--timeline-filename", timeline]
+    return out + list(cmd)
+
+
+def mpirun(np: int, cmd: Sequence[str]) -> list[str]:
+    return [shutil.which("mpirun") or "mpirun", "--allow-run-as-root", "--oversubscribe",
+            "--bind-to", "none", "-np", str(np), "-x", "PATH", "-x", "PYTHONPATH",
+            "-x", "TF_CPP_MIN_LOG_LEVEL", *cmd]
+
+
+def torchrun(np: int, cmd: Sequence[str]) -> list[str]:
+    """``torchrun --nproc_per_node N`` on a free port (cmd is ``python -m module args``)."""
+    assert cmd[0] == PY and cmd[1] == "-m", cmd
+    return [str(BIN / "torchrun"), "--nproc_per_node", str(np), "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), "-m", *cmd[2:]]
+
+
+@dataclass
+class Result:
+    returncode: int
+    seconds: float
+    output: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def run(cmd: Sequence[str], env: dict[str, str] | None = None, timeout: float = 900,
+        log: Path | None = None) -> Result:
+    """Run to completion; output goes to ``log`` (kept for post-mortems) and is returned."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(list(cmd), env=env or base_env(), cwd=REPO, timeout=timeout,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        code, out = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as err:
+        code, out = 124, (err.stdout or b"").decode(errors="replace") if isinstance(
+            err.stdout, bytes) else (err.stdout or "")
+        out += f"\n[bench] timed out after {timeout}s"
+    seconds = time.perf_counter() - t0
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(" ".join(cmd) + "\n\n" + out)
+    return Result(code, seconds, out)
+
+
+def run_parallel(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
+                 timeout: float = 900, log: Path | None = None) -> Result:
+    """Start several processes at once (a job without a launcher, e.g. MultiWorkerMirrored);
+    the job fails if any process does."""
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(list(c), env=e, cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for c, e in zip(cmds, envs, strict=True)]
+    outs, code = [], 0
+    deadline = t0 + timeout
+    for i, p in enumerate(procs):
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            out += f"\n[bench] timed out after {timeout}s"
+            code = 124
+        outs.append(f"--- process {i} ---\n{out}")
+        code = code or p.returncode
+    out = "\n".join(outs)
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(out)
+    return Result(code, time.perf_counter() - t0, out)
+
+
+def tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def say(message: str) -> None:
+    print(f"[bench] {message}", flush=True)
