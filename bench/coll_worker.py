@@ -1,0 +1,178 @@
+"""One rank of the collectives benchmark: ``python -m bench.coll_worker --impl IMPL ...``.
+
+IMPL is ``hvd`` (``horovod.torch`` allreduce; the controller, MPI or Gloo, is the launcher's
+choice), ``mpi4py`` (``Comm.Allreduce``), ``torch`` (``torch.distributed`` over gloo, under
+``torchrun``) or ``ps`` (a parameter server written with mpi4py point-to-point calls: every worker
+``Send``s its buffer to rank 0, which ``Recv``s and sums them and ``Send``s the sum back, so all
+traffic is explicit and counted).  Every op sums float32 buffers in place; before each timed
+repetition the buffer is refilled with ones and the ranks meet at a barrier, and after it the
+result is checked (it must be N everywhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+
+from bench.metrics import median_of_max
+
+
+class PSCounter:
+    """Bytes a rank moved in the parameter-server exchange (checked against the formula)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.received = 0
+
+
+def ps_allreduce(comm, buf: np.ndarray, tmp: np.ndarray, counter: PSCounter | None = None) -> None:
+    """Sum ``buf`` over all ranks through rank 0: workers send, the server sums and sends back."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    counter = counter or PSCounter()
+    if rank == 0:
+        for src in range(1, size):
+            comm.Recv(tmp, source=src, tag=7)
+            counter.received += tmp.nbytes
+            np.add(buf, tmp, out=buf)
+        for dst in range(1, size):
+            comm.Send(buf, dest=dst, tag=8)
+            counter.sent += buf.nbytes
+    else:
+        comm.Send(buf, dest=0, tag=7)
+        counter.sent += buf.nbytes
+        comm.Recv(buf, source=0, tag=8)
+        counter.received += buf.nbytes
+
+
+class Backend:
+    """The handful of calls the timing loop needs, per implementation."""
+
+    def __init__(self, impl: str) -> None:
+        self.impl = impl
+        self.counter = PSCounter()
+        if impl == "hvd":
+            import horovod.torch as hvd
+            import torch
+
+            hvd.init()
+            torch.set_num_threads(1)
+            self.hvd, self.torch = hvd, torch
+            self.rank, self.size = hvd.rank(), hvd.size()
+            self.controller = "mpi" if hvd.mpi_enabled() else "gloo"
+        elif impl == "torch":
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+            torch.set_num_threads(1)
+            self.dist, self.torch = dist, torch
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+            self.controller = "gloo"
+        else:
+            from mpi4py import MPI
+
+            self.comm, self.MPI = MPI.COMM_WORLD, MPI
+            self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+            self.controller = "mpi"
+
+    def buffer(self, nbytes: int) -> Any:
+        n = nbytes // 4
+        if self.impl in ("hvd", "torch"):
+            return self.torch.ones(n, dtype=self.torch.float32)
+        self.tmp = np.empty(n, dtype=np.float32)
+        return np.ones(n, dtype=np.float32)
+
+    def refill(self, buf) -> None:
+        if self.impl in ("hvd", "torch"):
+            buf.fill_(1.0)
+        else:
+            buf.fill(1.0)
+
+    def allreduce(self, buf) -> None:
+        if self.impl == "hvd":
+            self.hvd.allreduce_(buf, op=self.hvd.Sum, name="bench")
+        elif self.impl == "torch":
+            self.dist.all_reduce(buf)
+        elif self.impl == "mpi4py":
+            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        else:
+            ps_allreduce(self.comm, buf, self.tmp, self.counter)
+
+    def barrier(self) -> None:
+        if self.impl == "hvd":
+            self.hvd.barrier()
+        elif self.impl == "torch":
+            self.dist.barrier()
+        else:
+            self.comm.Barrier()
+
+    def bcast(self, obj):
+        if self.impl == "hvd":
+            return self.hvd.broadcast_object(obj, root_rank=0, name="bench_bcast")
+        if self.impl == "torch":
+            box = [obj]
+            self.dist.broadcast_object_list(box, src=0)
+            return box[0]
+        return self.comm.bcast(obj, root=0)
+
+    def gather(self, obj) -> list:
+        if self.impl == "hvd":
+            return self.hvd.allgather_object(obj, name="bench_gather")
+        if self.impl == "torch":
+            out = [None] * self.size
+            self.dist.all_gather_object(out, obj)
+            return out
+        return self.comm.allgather(obj)
+
+
+def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float) -> dict:
+    buf = be.buffer(nbytes)
+    t_est = 0.0
+    for _ in range(warmup):
+        be.refill(buf)
+        t0 = time.perf_counter()
+        be.allreduce(buf)
+        t_est = time.perf_counter() - t0
+    # as many repetitions as fit in the budget, between 3 and ``reps``; rank 0 decides for all
+    n = be.bcast(int(min(reps, max(3, budget // max(t_est, 1e-6)))))
+    be.counter.sent = be.counter.received = 0
+    times = []
+    for _ in range(n):
+        be.refill(buf)
+        be.barrier()
+        t0 = time.perf_counter()
+        be.allreduce(buf)
+        times.append(time.perf_counter() - t0)
+        if float(buf[0]) != be.size or float(buf[-1]) != be.size:
+            raise RuntimeError(f"{be.impl}: wrong sum {float(buf[0])} (expected {be.size})")
+    all_times = be.gather(times)
+    counts = be.gather((be.counter.sent // n, be.counter.received // n))
+    return {"bytes": nbytes, "reps": n, "seconds": median_of_max(all_times),
+            "min_seconds": min(max(rep) for rep in zip(*all_times, strict=True)),
+            "moved_bytes_per_rank": [s + r for s, r in counts] if be.impl == "ps" else None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--impl", choices=("hvd", "mpi4py", "torch", "ps"), required=True)
+    p.add_argument("--sizes", required=True, help="comma-separated byte counts")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--budget", type=float, default=4.0, help="seconds per size, roughly")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    be = Backend(args.impl)
+    rows = [measure(be, int(s), args.warmup, args.reps, args.budget) for s in args.sizes.split(",")]
+    if be.rank == 0:
+        import json
+        from pathlib import Path
+
+        Path(args.out).write_text(json.dumps({"impl": args.impl, "controller": be.controller,
+                                              "world_size": be.size, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
