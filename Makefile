@@ -22,3 +22,14 @@ test: setup
 
 lint:
 	$(PY) -m ruff check .
+
+# Benchmarks (bench/README.md): install the bench extra (matplotlib, py-spy) pinned by
+# constraints.txt, then run the suite; results in bench/results/, report in BENCHMARKS.md.
+bench-deps: setup
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt --no-build-isolation -e '.[bench]'
+
+bench: bench-deps
+	$(PY) -m bench $(ARGS)
+
+bench-quick: bench-deps
+	$(PY) -m bench --quick $(ARGS)
