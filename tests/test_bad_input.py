@@ -32,6 +32,8 @@ def one_error_line(proc, *needles: str) -> str:
     (["--lr-scaling", "cubic"], "invalid choice: 'cubic'"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--epochs", "two"], "invalid int value: 'two'"),
+    (["--commit-every", "0"], "--commit-every must be a positive number of steps"),
+    (["--elastic", "--adasum"], "--adasum needs a power-of-two world size"),
 ])
 def test_bad_flags(module, flags, needle):
     one_error_line(run([sys.executable, "-m", module, *flags]), needle)
@@ -100,3 +102,19 @@ def test_missing_data_under_horovodrun_fails_fast(module, tmp_path):
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
     assert len(errors) == 1 and str(tmp_path / "nowhere") in errors[0], proc.stderr[-2000:]
+
+
+@requires_horovod
+@pytest.mark.parametrize("module,needle", [
+    ("launch.torch_mnist", "--elastic needs horovodrun's elastic mode"),
+    ("launch.tf_mnist", "--elastic is implemented for PyTorch only"),
+])
+def test_elastic_flag_without_an_elastic_launcher(module, needle):
+    one_error_line(run([sys.executable, "-m", module, *SMALL, "--elastic"]), needle)
+
+
+@requires_horovod
+def test_elastic_launcher_without_the_flag():
+    """A fixed-size trainer under an elastic driver would die with its first lost worker."""
+    proc = run([sys.executable, "-m", "launch.torch_mnist", *SMALL], env={"HOROVOD_ELASTIC": "1"})
+    one_error_line(proc, "add --elastic")

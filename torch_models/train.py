@@ -115,11 +115,6 @@ def train(args: argparse.Namespace) -> Summary:
     target_lr = scaled_lr(args.base_lr, size, args.lr_scaling, args.adasum)
     optimizer = torch.optim.SGD(model.parameters(), lr=target_lr, momentum=args.momentum)
 
-    start_epoch = 0
-    if args.resume and rank == 0:
-        start_epoch = load_checkpoint(args.checkpoint_dir, model, optimizer, param_count)
-    start_epoch = hvd.broadcast_object(start_epoch, root_rank=0, name="start_epoch")
-
     optimizer = hvd.DistributedOptimizer(
         optimizer,
         named_parameters=model.named_parameters(),
@@ -128,6 +123,12 @@ def train(args: argparse.Namespace) -> Summary:
         op=hvd.Adasum if args.adasum else hvd.Average,
         gradient_predivide_factor=args.gradient_predivide_factor,
     )
+    # Resume into the wrapped optimizer: DistributedOptimizer builds a new optimizer from the
+    # param groups alone, so state loaded before wrapping (the momentum buffers) would be lost.
+    start_epoch = 0
+    if args.resume and rank == 0:
+        start_epoch = load_checkpoint(args.checkpoint_dir, model, optimizer, param_count)
+    start_epoch = hvd.broadcast_object(start_epoch, root_rank=0, name="start_epoch")
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     scaler = torch.amp.GradScaler("cuda") if args.amp else None
