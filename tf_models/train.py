@@ -338,7 +338,7 @@ def train(args: argparse.Namespace) -> Summary:
 def main_with(args: argparse.Namespace) -> int:
     if args.elastic:
         raise UserError("--elastic is implemented for PyTorch only (launch.torch_mnist): Horovod "
-                        "0.28.1's elastic Keras state is written for Keras 2 and fails on Keras 3")
+                        "0.28.1's elastic Keras state calls optimizer.variables(), a list in Keras 3")
     check_launcher(False)
     train(args)
     return 0
