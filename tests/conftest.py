@@ -16,8 +16,9 @@ SMALL = ["--train-samples", "1024", "--test-samples", "500", "--batch-size", "32
 
 
 def launch_cmd(module: str, args: list[str], np: int = 2, how: str = "horovodrun") -> list[str]:
-    """The command line for ``python -m module args`` under ``how`` with ``np`` processes."""
-    py = [sys.executable, "-m", module, *args]
+    """The command line for ``python -m module args`` (or ``python script.py args``) under ``how``
+    with ``np`` processes."""
+    py = [sys.executable, *([module] if module.endswith(".py") else ["-m", module]), *args]
     if how == "single":
         return py
     if how == "horovodrun":

@@ -1,9 +1,15 @@
 """Proof that data-parallel training computes what one process would (docs/correctness.md).
 
-Every test runs the real trainers under real launchers and compares the parameters they leave in
-their checkpoints.  Plain SGD (no momentum unless stated), no dropout, file-order data, so that
+Every test compares what the real trainers leave in their checkpoints and summaries after real
+multi-process runs.  Plain SGD (no momentum unless stated), no dropout, file-order data, so that
 the only difference between N ranks x batch B and one process x batch N*B is float32 summation
 order.
+
+Launching a job and importing a framework costs far more than the few steps an invariant needs,
+so the runs are grouped by (framework, world size, launcher): each group is ONE launch of
+``tests/correctness_probe.py``, which calls the trainer's ``train(args)`` once per configuration
+in the same processes.  A group runs the first time a test needs it; the tests then only read
+its outputs.  Ten launches instead of thirty-six.
 """
 
 from __future__ import annotations
@@ -14,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import metrics, requires_horovod, train
+from conftest import REPO, launch_cmd, metrics, requires_horovod, run
 
-pytestmark = requires_horovod
+pytestmark = [requires_horovod, pytest.mark.timeout(1800)]  # a test may launch two groups
 
-MODULES = {"torch": "launch.torch_mnist", "tf": "launch.tf_mnist"}
-FRAMEWORKS = list(MODULES)
+FRAMEWORKS = ["torch", "tf"]
+PROBE = str(REPO / "tests" / "correctness_probe.py")
 # Deterministic SGD: what makes "N x B == 1 x N*B" an exact statement up to summation order.
 PLAIN = ["--momentum", "0", "--dropout", "0", "--no-shuffle", "--warmup-epochs", "0",
          "--lr-decay", "none", "--lr-scaling", "none", "--base-lr", "0.05", "--test-samples", "200",
@@ -48,13 +54,6 @@ def ckpt(folder: Path) -> Path:
     return files[-1]
 
 
-def run_params(fw: str, tmp: Path, tag: str, args: list[str], np_: int = 1, how: str = "horovodrun"):
-    out = tmp / tag
-    train(MODULES[fw], [*args, "--checkpoint-dir", str(out), "--metrics-out", str(out / "m.json")],
-          np=np_, how="single" if np_ == 1 else how)
-    return load_params(ckpt(out)), metrics(out / "m.json")
-
-
 def assert_same_params(a: list[np.ndarray], b: list[np.ndarray], rtol=RTOL, atol=ATOL) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
@@ -65,70 +64,116 @@ def moved(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
 
-# 1 + 2 + 3: identical ranks; N x B equals 1 x N*B; every rank starts from rank 0's weights
-# (ranks are seeded differently, so without the broadcast neither equality could hold).
+# --- the runs, grouped by launch ----------------------------------------------------------------
 GLOBAL_BATCH, STEPS = 48, 6
+INV2 = [*PLAIN, "--train-samples", str(GLOBAL_BATCH * STEPS)]
+INV3 = [*PLAIN, "--momentum", "0.9", "--train-samples", "128"]
+INV5 = [*PLAIN, "--test-samples", "1000"]
+INV6 = ["--train-samples", "256", "--test-samples", "100", "--batch-size", "32", "--epochs", "2",
+        "--warmup-epochs", "2", "--lr-decay", "none", "--base-lr", "0.01", "--no-progress"]
+INV7 = [*PLAIN, "--train-samples", str(2 * 4 * 64)]
+INV8 = [*PLAIN, "--train-samples", "384", "--batch-size", "32"]
+
+# group -> (world size, launcher, groups whose outputs it resumes from, [(tag, args, seed run)])
+GROUPS: dict[str, tuple[int, str, tuple[str, ...], list[tuple[str, list[str], str | None]]]] = {
+    "single": (1, "single", (), [
+        ("big", [*INV2, "--batch-size", str(GLOBAL_BATCH)], None),
+        ("inv3-first", [*INV3, "--batch-size", "32"], None),
+        ("inv3-resume", [*INV3, "--epochs", "2", "--batch-size", "32", "--resume"], "single/inv3-first"),
+        ("inv5-src", [*INV5, "--train-samples", "256", "--batch-size", "32"], None),
+        ("inv8-init", [*INV8, "--base-lr", "1e-12"], None),
+    ]),
+    "mpi2": (2, "horovodrun", ("single",), [
+        ("inv2", [*INV2, "--batch-size", str(GLOBAL_BATCH // 2)], None),
+        ("inv3-resume", [*INV3, "--epochs", "2", "--batch-size", "16", "--resume"], "single/inv3-first"),
+        ("inv6-linear", [*INV6, "--lr-scaling", "linear"], None),
+        ("inv6-sqrt", [*INV6, "--lr-scaling", "sqrt"], None),
+        ("inv6-adasum", [*INV6, "--lr-scaling", "linear", "--adasum"], None),
+        ("inv7-big", [*INV7, "--batch-size", "64"], None),
+        ("inv7-acc", [*INV7, "--batch-size", "16", "--backward-passes-per-step", "4"], None),
+        ("inv8-full", INV8, None),
+        ("inv8-half", [*INV8, "--fp16-allreduce"], None),
+    ]),
+    "mpi3": (3, "horovodrun", ("single",), [
+        ("inv2", [*INV2, "--batch-size", str(GLOBAL_BATCH // 3)], None),
+        ("inv5-eval", [*INV5, "--resume"], "single/inv5-src"),
+    ]),
+    "gloo2": (2, "gloo", (), [("inv2", [*INV2, "--batch-size", str(GLOBAL_BATCH // 2)], None)]),
+    "gloo3": (3, "gloo", (), [("inv2", [*INV2, "--batch-size", str(GLOBAL_BATCH // 3)], None)]),
+}
+
+
+class Runs:
+    """Launches each (framework, group) once, on first use, and serves its outputs."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.outcome: dict[tuple[str, str], str | None] = {}  # None = ran fine, else the failure
+
+    def out(self, fw: str, run: str) -> Path:
+        return self.root / fw / run
+
+    def ensure(self, fw: str, group: str) -> None:
+        if (fw, group) not in self.outcome:
+            np_, how, needs, runs = GROUPS[group]
+            for dep in needs:
+                self.ensure(fw, dep)
+            plan = []
+            for tag, args, seed in runs:
+                out = self.out(fw, f"{group}/{tag}")
+                plan.append({"args": [*args, "--checkpoint-dir", str(out), "--metrics-out",
+                                      str(out / "m.json")],
+                             "seed_from": str(self.out(fw, seed)) if seed else None})
+            plan_path = self.root / fw / f"{group}.json"
+            plan_path.parent.mkdir(parents=True, exist_ok=True)
+            plan_path.write_text(json.dumps(plan))
+            proc = run(launch_cmd(PROBE, [fw, str(plan_path)], np=np_, how=how), timeout=840)
+            self.outcome[(fw, group)] = None if proc.returncode == 0 else (
+                f"{fw} group {group} (np={np_}, {how}) failed (rc={proc.returncode}):\n"
+                f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        if self.outcome[(fw, group)]:
+            pytest.fail(self.outcome[(fw, group)])
+
+    def params(self, fw: str, run: str) -> list[np.ndarray]:
+        self.ensure(fw, run.split("/")[0])
+        return load_params(ckpt(self.out(fw, run)))
+
+    def metrics(self, fw: str, run: str) -> dict:
+        self.ensure(fw, run.split("/")[0])
+        return metrics(self.out(fw, run) / "m.json")
 
 
 @pytest.fixture(scope="module")
-def big_batch_baseline(tmp_path_factory):
-    """One process, batch 48, per framework: the reference every distributed run must match."""
-    cache = {}
-
-    def get(fw: str):
-        if fw not in cache:
-            cache[fw] = run_params(fw, tmp_path_factory.mktemp(f"single-{fw}"), "single",
-                                   [*PLAIN, "--train-samples", str(GLOBAL_BATCH * STEPS),
-                                    "--batch-size", str(GLOBAL_BATCH)])[0]
-        return cache[fw]
-
-    return get
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("correctness"))
 
 
+# 1 + 2 + 3: identical ranks; N x B equals 1 x N*B; every rank starts from rank 0's weights
+# (ranks are seeded differently, so without the broadcast neither equality could hold).
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 @pytest.mark.parametrize("np_,how", [(2, "horovodrun"), (3, "horovodrun"), (2, "gloo"), (3, "gloo")])
-def test_invariant_2_data_parallel_equals_big_batch(fw, np_, how, tmp_path, big_batch_baseline):
-    dist, m = run_params(fw, tmp_path, "dist", [*PLAIN, "--train-samples", str(GLOBAL_BATCH * STEPS),
-                                               "--batch-size", str(GLOBAL_BATCH // np_)], np_=np_, how=how)
+def test_invariant_2_data_parallel_equals_big_batch(fw, np_, how, runs):
+    group = f"{'gloo' if how == 'gloo' else 'mpi'}{np_}"
+    m = runs.metrics(fw, f"{group}/inv2")
     assert m["world_size"] == np_ and m["controller"] == ("gloo" if how == "gloo" else "mpi")
     assert len(m["epochs"]) == 1 and len(set(m["param_checksums"])) == 1, "invariant 1: ranks differ"
-    assert_same_params(dist, big_batch_baseline(fw))
+    assert_same_params(runs.params(fw, f"{group}/inv2"), runs.params(fw, "single/big"))
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-def test_invariant_3_resume_broadcasts_rank0_optimizer_state(fw, tmp_path):
+def test_invariant_3_resume_broadcasts_rank0_optimizer_state(fw, runs):
     """Resume a momentum run at np=2 from a checkpoint only rank 0 reads: the continuation must
     equal the single-process continuation, which needs rank 0's momentum on every rank."""
-    common = [*PLAIN, "--momentum", "0.9", "--train-samples", "128"]
-    first = tmp_path / "first"
-    train(MODULES[fw], [*common, "--batch-size", "32", "--checkpoint-dir", str(first)], np=1,
-          how="single")
-    outs = {}
-    for np_, b in ((1, 32), (2, 16)):
-        d = tmp_path / f"resume{np_}"
-        d.mkdir()
-        (d / ckpt(first).name).write_bytes(ckpt(first).read_bytes())
-        train(MODULES[fw], [*common, "--epochs", "2", "--batch-size", str(b), "--checkpoint-dir",
-                            str(d), "--resume", "--metrics-out", str(d / "m.json")],
-              np=np_, how="single" if np_ == 1 else "horovodrun")
-        m = metrics(d / "m.json")
+    for run_ in ("single/inv3-resume", "mpi2/inv3-resume"):
+        m = runs.metrics(fw, run_)
         assert m["resumed_from_epoch"] == 1 and len(set(m["param_checksums"])) == 1
-        outs[np_] = load_params(ckpt(d))
-    assert_same_params(outs[2], outs[1])
+    assert_same_params(runs.params(fw, "mpi2/inv3-resume"), runs.params(fw, "single/inv3-resume"))
 
 
 # 5: exact metrics, with shards of unequal size (1000 test images over 3 ranks: 334/333/333).
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-def test_invariant_5_exact_metrics(fw, tmp_path):
-    src = tmp_path / "train"
-    eval_args = [*PLAIN, "--test-samples", "1000", "--metrics-out"]
-    train(MODULES[fw], [*eval_args, str(src / "m.json"), "--train-samples", "256", "--batch-size", "32",
-                        "--checkpoint-dir", str(src)], np=1, how="single")
-    d = tmp_path / "eval3"
-    d.mkdir()
-    (d / ckpt(src).name).write_bytes(ckpt(src).read_bytes())
-    train(MODULES[fw], [*eval_args, str(d / "m.json"), "--checkpoint-dir", str(d), "--resume"], np=3)
-    single, dist = metrics(src / "m.json"), metrics(d / "m.json")
+def test_invariant_5_exact_metrics(fw, runs):
+    single, dist = runs.metrics(fw, "single/inv5-src"), runs.metrics(fw, "mpi3/inv5-eval")
     assert dist["world_size"] == 3 and dist["epochs"] == [], "the np=3 run must only evaluate"
     # Accuracy is a ratio of integer counts: exactly equal.  Loss: float sums in another order.
     assert dist["final_test_accuracy"] == single["final_test_accuracy"]
@@ -137,16 +182,10 @@ def test_invariant_5_exact_metrics(fw, tmp_path):
 
 # 6: effective LR and warm-up, as the trainers apply them.
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("rule,extra", [("linear", []), ("sqrt", []), ("linear", ["--adasum"])])
-def test_invariant_6_lr_rule(fw, rule, extra, tmp_path):
-    out = tmp_path / "m.json"
-    train(MODULES[fw], ["--train-samples", "256", "--test-samples", "100", "--batch-size", "32",
-                        "--epochs", "2", "--warmup-epochs", "2", "--lr-decay", "none", "--base-lr", "0.01",
-                        "--lr-scaling", rule, "--no-progress", "--metrics-out", str(out), *extra], np=2)
-    m = metrics(out)
-    want = {"linear": 0.02, "sqrt": 0.01 * math.sqrt(2)}[rule]
-    if extra:
-        want = 0.01
+@pytest.mark.parametrize("rule", ["linear", "sqrt", "adasum"])
+def test_invariant_6_lr_rule(fw, rule, runs):
+    m = runs.metrics(fw, f"mpi2/inv6-{rule}")
+    want = {"linear": 0.02, "sqrt": 0.01 * math.sqrt(2), "adasum": 0.01}[rule]
     assert m["effective_lr"] == pytest.approx(want)
     # Last step of epoch 1 is halfway through a 2-epoch warm-up (minus one step), epoch 2 ends at
     # the target: the LR ramps linearly from the base to the target.
@@ -158,24 +197,17 @@ def test_invariant_6_lr_rule(fw, rule, extra, tmp_path):
 
 # 7: --backward-passes-per-step K equals one step over K x the batch.
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-def test_invariant_7_gradient_accumulation(fw, tmp_path):
-    n = 2 * 4 * 64
-    big, _ = run_params(fw, tmp_path, "big", [*PLAIN, "--train-samples", str(n), "--batch-size", "64"],
-                        np_=2)
-    acc, m = run_params(fw, tmp_path, "acc", [*PLAIN, "--train-samples", str(n), "--batch-size", "16",
-                                              "--backward-passes-per-step", "4"], np_=2)
-    assert m["global_batch_size"] == 128
-    assert_same_params(acc, big)
+def test_invariant_7_gradient_accumulation(fw, runs):
+    assert runs.metrics(fw, "mpi2/inv7-acc")["global_batch_size"] == 128
+    assert_same_params(runs.params(fw, "mpi2/inv7-acc"), runs.params(fw, "mpi2/inv7-big"))
 
 
 # 8: fp16 compression perturbs results only at fp16 rounding level.
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-def test_invariant_8_fp16_compression(fw, tmp_path):
-    args = [*PLAIN, "--train-samples", "384", "--batch-size", "32"]
-    init, _ = run_params(fw, tmp_path, "init", [*args, "--base-lr", "1e-12"], np_=1)
-    full, _ = run_params(fw, tmp_path, "full", args, np_=2)
-    half, m = run_params(fw, tmp_path, "half", [*args, "--fp16-allreduce"], np_=2)
-    assert len(set(m["param_checksums"])) == 1
+def test_invariant_8_fp16_compression(fw, runs):
+    init, full = runs.params(fw, "single/inv8-init"), runs.params(fw, "mpi2/inv8-full")
+    half = runs.params(fw, "mpi2/inv8-half")
+    assert len(set(runs.metrics(fw, "mpi2/inv8-half")["param_checksums"])) == 1
     update = moved(full, init)
     diff = moved(half, full)
     assert update > 1e-3, "training must have moved the weights for this test to mean anything"
@@ -183,4 +215,3 @@ def test_invariant_8_fp16_compression(fw, tmp_path):
     # 6 steps, through ReLU/max-pool switches, that compounds to a few ulps of the update (TF: ~9).
     # Bound: 16 fp16 ulps of the update, i.e. under 1% of how far training moved the weights.
     assert diff <= 2 ** -11 * update * 16, (diff, update)
-
