@@ -152,7 +152,7 @@ def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float) -> 
     counts = be.gather((be.counter.sent // n, be.counter.received // n))
     return {"bytes": nbytes, "reps": n, "seconds": median_of_max(all_times),
             "min_seconds": min(max(rep) for rep in zip(*all_times, strict=True)),
-            "moved_bytes_per_rank": [s + r for s, r in counts] if be.impl == "ps" else None}
+            "moved_bytes_per_rank": [list(c) for c in counts] if be.impl == "ps" else None}
 
 
 def main() -> None:

@@ -33,15 +33,20 @@ def command(impl: str, launcher: str, np: int, args: list[str]) -> list[str]:
 
 
 def enrich(rows: list[dict], np: int, ps: bool) -> list[dict]:
-    """Add algorithm bandwidth, bus bandwidth and the bytes through the busiest rank."""
+    """Add algorithm bandwidth, bus bandwidth and the bytes through the busiest rank.
+
+    ``busbw`` is the ring formula for every implementation (the same rescaling of the time for
+    all, so curves compare like times); ``busiest_rank_bytes`` is what the busiest rank really
+    sends (and again receives): 2(N-1)/N x K in a ring, (N-1) x K at the parameter server.
+    """
     for row in rows:
         k, t = row["bytes"], row["seconds"]
         row["algbw"] = metrics.algbw(k, t)
         if ps:
-            row["busiest_rank_bytes"] = metrics.ps_bytes_at_server(k, np)
+            row["busiest_rank_bytes"] = metrics.ps_bytes_each_way_at_server(k, np)
         else:
             row["busiest_rank_bytes"] = metrics.ring_bytes_per_rank(k, np)
-        row["busbw"] = metrics.busbw(k, t, np)  # ring-equivalent, comparable across impls
+        row["busbw"] = metrics.busbw(k, t, np)
         row["busiest_rank_bw"] = row["busiest_rank_bytes"] / t
     return rows
 

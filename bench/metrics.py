@@ -17,8 +17,8 @@ def algbw(nbytes: int, seconds: float) -> float:
 
 
 def ring_bytes_per_rank(nbytes: int, world: int) -> float:
-    """What each rank sends (and receives) in a ring allreduce: reduce-scatter then allgather,
-    each N-1 steps of K/N bytes, so 2(N-1)/N x K."""
+    """What each rank sends, and again receives, in a ring allreduce: reduce-scatter then
+    allgather, each N-1 steps of K/N bytes, so 2(N-1)/N x K in each direction."""
     return 2 * (world - 1) / world * nbytes
 
 
@@ -28,9 +28,15 @@ def busbw(nbytes: int, seconds: float, world: int) -> float:
 
 
 def ps_bytes_at_server(nbytes: int, world: int) -> int:
-    """What the parameter server (rank 0) moves per exchange: it receives K from each of the N-1
-    workers and sends K back to each, 2(N-1) x K, N times a ring rank's share."""
+    """What the parameter server (rank 0) moves per exchange, both directions together: it
+    receives K from each of the N-1 workers and sends K back to each, 2(N-1) x K."""
     return 2 * (world - 1) * nbytes
+
+
+def ps_bytes_each_way_at_server(nbytes: int, world: int) -> int:
+    """The server's traffic in one direction, (N-1) x K: N/2 times a ring rank's 2(N-1)/N x K,
+    and it grows with N while the ring's stays below 2K."""
+    return (world - 1) * nbytes
 
 
 def ps_bytes_per_worker(nbytes: int) -> int:
