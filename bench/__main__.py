@@ -23,8 +23,8 @@ from bench.jobs import Profiling, Run, execute
 PARTS = ("throughput", "collectives", "accuracy")
 ALIASES = {"scaling": "throughput", "peers": "throughput", "horovod-cost": "throughput",
            "time-to-accuracy": "accuracy"}
-RUN_NAME = re.compile(r"^(torch|tf)/(trainer|loop)/(none|horovod|ddp|mwms)/(mnist|synthetic)/np(\d+)"
-                      r"(?:-(\d+)thread)?$")
+RUN_NAME = re.compile(r"^(torch|tf)/(trainer|loop)/(none|horovod|horovod-gloo|ddp|mwms)/"
+                      r"(mnist|synthetic)/np(\d+)(?:-(\d+)thread)?$")
 
 
 def parse_run(name: str) -> Run:

@@ -22,7 +22,7 @@ LOOP_MODULES = {"torch": "bench.torch_loop", "tf": "bench.tf_loop"}
 class Run:
     framework: str
     kind: str  # "trainer" (the real launch.*_mnist) or "loop" (bench.*_loop)
-    wrapper: str  # none | horovod | ddp | mwms
+    wrapper: str  # none | horovod | horovod-gloo | ddp | mwms
     data: str  # mnist | synthetic
     np: int
     threads: int = 0  # 0: cores // local ranks
@@ -50,15 +50,17 @@ def _command(run: Run, work: Path, cfg, timeline: str | None) -> tuple[list[list
                 "--no-progress", "--metrics-out", str(work / "metrics.json"), *run.extra]
         return [util.horovodrun(run.np, util.rank_exec(TRAINER_MODULES[run.framework], args),
                                 timeline=timeline)], [env]
-    args = ["--wrapper", run.wrapper, "--data", run.data, "--warmup-steps", str(cfg.warmup_steps),
+    loop_wrapper = "horovod" if run.wrapper == "horovod-gloo" else run.wrapper
+    args = ["--wrapper", loop_wrapper, "--data", run.data, "--warmup-steps", str(cfg.warmup_steps),
             "--steps", str(cfg.steps), "--out", str(work / "loop.json"), *run.extra]
     if run.threads:
         args += ["--threads", str(run.threads)]
     inner = util.rank_exec(LOOP_MODULES[run.framework], args)
     if run.wrapper == "none":
         return [inner], [env]
-    if run.wrapper == "horovod":
-        return [util.horovodrun(run.np, inner, timeline=timeline)], [env]
+    if run.wrapper in ("horovod", "horovod-gloo"):
+        return [util.horovodrun(run.np, inner, gloo=run.wrapper == "horovod-gloo",
+                                timeline=timeline)], [env]
     if run.wrapper == "ddp":
         return [util.torchrun(run.np, inner)], [env]
     if run.wrapper == "mwms":
@@ -82,6 +84,15 @@ def _images_per_second(run: Run, work: Path) -> float | None:
     return util.read_json(path)["images_per_second"] if path.exists() else None
 
 
+def _cores_busy(run: Run, work: Path) -> float | None:
+    """Loops only: cores rank 0's process kept busy during the timed steps (CPU / wall)."""
+    path = work / "loop.json"
+    if run.kind != "loop" or not path.exists():
+        return None
+    value = util.read_json(path).get("rank0_cores_busy")
+    return round(value, 2) if value is not None else None
+
+
 def execute(run: Run, cfg, out: Path, prof: Profiling | None = None) -> dict[str, Any]:
     """Run it; return the record that goes into the results JSON (``ok`` false with the output's
     tail when it failed, so one broken side does not sink the suite)."""
@@ -90,7 +101,7 @@ def execute(run: Run, cfg, out: Path, prof: Profiling | None = None) -> dict[str
     work.mkdir(parents=True)
     profiling = prof is not None and prof.target == run.name
     timeline = None
-    if profiling and prof.timeline and run.wrapper == "horovod":
+    if profiling and prof.timeline and run.wrapper.startswith("horovod"):
         timeline = str((out / "profile" / "timeline.json").resolve())
         Path(timeline).parent.mkdir(parents=True, exist_ok=True)
     cmds, envs = _command(run, work, cfg, timeline)
@@ -110,6 +121,7 @@ def execute(run: Run, cfg, out: Path, prof: Profiling | None = None) -> dict[str
     record = {"name": run.name, "framework": run.framework, "kind": run.kind,
               "wrapper": run.wrapper, "data": run.data, "np": run.np, "threads": run.threads or None,
               "ok": res.ok and ips is not None, "images_per_second": ips,
+              "rank0_cores_busy": _cores_busy(run, work),
               "peak_rss_mib": [round(r["peak_rss_mib"], 1) for r in rss],
               "wall_seconds": round(res.seconds, 1), "profiled": profiling}
     if not record["ok"]:

@@ -49,21 +49,25 @@ def mnist_shard(rank: int, size: int, seed: int = 42) -> tuple[np.ndarray, np.nd
 
 
 class StepClock:
-    """Wall time of the timed steps only (after ``warmup`` untimed ones), on this rank."""
+    """Wall time of the timed steps only (after ``warmup`` untimed ones), on this rank, and the
+    CPU time the whole process (all its threads: compute, Horovod's background thread, MPI/Gloo
+    progress) burnt meanwhile: ``cpu_seconds / seconds`` is how many cores this rank kept busy."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup, self.count, self.t0, self.seconds = warmup, 0, None, 0.0
+        self.cpu0, self.cpu_seconds = 0.0, 0.0
 
     def tick(self) -> None:
         """Call after each finished step."""
         self.count += 1
         if self.count == self.warmup:
-            self.t0 = time.perf_counter()
+            self.t0, self.cpu0 = time.perf_counter(), time.process_time()
 
     def stop(self) -> None:
         if self.t0 is None:
             raise RuntimeError("fewer steps than warm-up steps")
         self.seconds = time.perf_counter() - self.t0
+        self.cpu_seconds = time.process_time() - self.cpu0
 
 
 def write_result(path: str | None, *, framework: str, wrapper: str, data: str, size: int,

@@ -16,6 +16,7 @@ SERIES = [  # (kind, wrapper, data, label, style)
     ("trainer", "horovod", "mnist", "our trainer (Horovod, MNIST)", "o-"),
     ("loop", "horovod", "mnist", "bench loop, Horovod, MNIST", "s--"),
     ("loop", "horovod", "synthetic", "bench loop, Horovod, synthetic", "^-"),
+    ("loop", "horovod-gloo", "synthetic", "bench loop, Horovod (Gloo), synthetic", "^:"),
     ("loop", "ddp", "synthetic", "bench loop, DDP (gloo), synthetic", "v-"),
     ("loop", "mwms", "synthetic", "bench loop, MWMS, synthetic", "v-"),
 ]

@@ -43,9 +43,10 @@ def _maybe_profile(argv: list[str]) -> None:
         return
     os.environ["BENCH_PYSPY_ACTIVE"] = "1"
     cmd = [pyspy, "record", "--format", "raw", "--rate", os.environ.get("BENCH_PYSPY_RATE", "100"),
-           "-o", out, "--nonblocking"]
-    if os.environ.get("BENCH_PYSPY_NATIVE") == "1":
-        cmd.append("--native")
+           "-o", out]
+    # --nonblocking (no pausing of the process per sample) keeps the profile from slowing the
+    # run, but py-spy cannot unwind native stacks without pausing
+    cmd.append("--native" if os.environ.get("BENCH_PYSPY_NATIVE") == "1" else "--nonblocking")
     cmd += ["--", sys.executable, "-m", "bench.rankexec", *argv]
     os.execv(pyspy, cmd)
 

@@ -141,6 +141,11 @@ def horovod_cost(res: dict) -> list[str]:
                    "peak RSS MiB (none / Horovod)"], rows), ""]
 
 
+def busy_of(rec: dict | None) -> str:
+    value = rec.get("rank0_cores_busy") if rec else None
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def peers(res: dict) -> list[str]:
     runs = res.get("throughput", {}).get("runs", [])
     lines = []
@@ -149,21 +154,29 @@ def peers(res: dict) -> list[str]:
         rows = []
         for n in sorted({r["np"] for r in runs if r["framework"] == fw and r["wrapper"] == wrapper}):
             hv = ips(runs, fw, "loop", "horovod", "synthetic", n)
+            hg = ips(runs, fw, "loop", "horovod-gloo", "synthetic", n)
             pe = ips(runs, fw, "loop", wrapper, "synthetic", n)
             tr = ips(runs, fw, "trainer", "horovod", "mnist", n)
             rec = find(runs, fw, "loop", wrapper, "synthetic", n)
             err = "" if rec is None or rec.get("ok") else " (failed, see JSON)"
-            rows.append([str(n), num(hv), num(pe) + err, x(metrics.ratio(hv, pe)), num(tr),
+            busy = [busy_of(find(runs, fw, "loop", w, "synthetic", n))
+                    for w in ("horovod", "horovod-gloo", wrapper)]
+            rows.append([str(n), num(hv), num(hg), num(pe) + err, x(metrics.ratio(hv, pe)),
+                         x(metrics.ratio(hg, pe)), " / ".join(busy), num(tr),
                          num(max(rec["peak_rss_mib"]) if rec and rec.get("peak_rss_mib") else None)])
         if rows:
             lines += [f"### {FW[fw]}: Horovod vs {label}", "",
-                      table(["-np", "Horovod loop img/s", f"{label} loop img/s", "Horovod / peer",
+                      table(["-np", "Horovod (MPI) img/s", "Horovod (Gloo) img/s", f"{label} img/s",
+                             "MPI / peer", "Gloo / peer", "rank-0 cores busy (MPI / Gloo / peer)",
                              "our trainer (MNIST) img/s", "peer peak RSS MiB"], rows), ""]
     if not lines:
         return []
     return ["## 3. Against what users would pick instead", "",
             "Same synthetic bench loop, same -np, same threads per rank; only the gradient exchange "
-            "differs. The TensorFlow loop is a custom `tf.function` loop on all sides because Keras "
+            "differs. Horovod runs under `horovodrun` (MPI controller, the default) and under "
+            "`horovodrun --gloo`. *Cores busy* is rank 0's process CPU time over wall time during "
+            "the timed steps (all its threads: compute, Horovod's background thread, MPI/Gloo "
+            "progress). The TensorFlow loop is a custom `tf.function` loop on all sides because Keras "
             "3's `model.fit` fails under MultiWorkerMirroredStrategy here (`ValueError: Attempt to "
             "convert a value (PerReplica:{...}) ... to a Tensor`, raised in "
             "`Trainer._maybe_symbolic_build`; keras-team/keras#20585).", ""] + lines
@@ -177,11 +190,15 @@ def collectives(res: dict) -> list[str]:
     lim = memory_limit(res["machine"])
     lines = ["## 4. Allreduce: Horovod against mpi4py, torch.distributed and a parameter server", "",
              "float32 sum in place, median over repetitions of the slowest rank's time. *busbw* = "
-             "2(N-1)/N x bytes / time (the traffic a ring puts through each rank), the figure to hold "
-             "against the memory limit (copy bandwidth / N per rank). The parameter server "
-             "(`bench/coll_worker.py: ps_allreduce`) moves 2(N-1) x K bytes through rank 0, N times a "
-             "ring rank's 2(N-1)/N x K; its bytes are counted in the code and checked below.", "",
-             f"![bandwidth]({res['meta']['plots_rel']}/bandwidth.png)", ""]
+             "2(N-1)/N x bytes / time for every implementation (nccl-tests' ring formula: the same "
+             "rescaling of the time for all, so higher is faster), to hold against the memory limit "
+             "(copy bandwidth / N per rank). The parameter server (`bench/coll_worker.py: "
+             "ps_allreduce`, mpi4py `Send`/`Recv`) is rank 0 receiving K bytes from each of the N-1 "
+             "workers, summing, and sending K back to each: 2(N-1) x K through rank 0, i.e. (N-1) x K "
+             "in each direction, against a ring rank's 2(N-1)/N x K in each direction: N/2 times "
+             "more, growing with N where the ring's stays under 2K. The server's bytes are counted "
+             "in the code and shown next to the formula below.", "",
+             "![bandwidth]({res['meta']['plots_rel']}/bandwidth.png)", ""]
     for n in sorted({r["np"] for r in runs}):
         at = [r for r in runs if r["np"] == n and r.get("ok")]
         by = {r["impl"]: {row["bytes"]: row for row in r["rows"]} for r in at}
@@ -203,15 +220,18 @@ def collectives(res: dict) -> list[str]:
         for impl in impls:
             row = by[impl].get(big)
             if row and lim:
-                extra.append([impl, gbs(row["busbw"]), pct(row["busbw"] / (lim / n)),
+                counted = row.get("moved_bytes_per_rank")
+                extra.append([impl, gbs(row["busbw"]), gbs(row["busiest_rank_bw"]),
+                              pct(row["busiest_rank_bw"] / (lim / n)),
                               size(int(row["busiest_rank_bytes"])),
-                              " + ".join(size(b) for b in row["moved_bytes_per_rank"])
-                              if row.get("moved_bytes_per_rank") else "-"])
+                              f"sent {size(counted[0][0])}, received {size(counted[0][1])}"
+                              if counted else "-"])
         if extra:
             lines += [f"Largest message ({size(big)}) against the limit ({gbs(lim / n)} GB/s per rank "
                       f"at -np {n}) and the traffic through the busiest rank:", "",
-                      table(["impl", "busbw GB/s", "of memory limit", "bytes via busiest rank (formula)",
-                             "bytes moved per rank (counted, PS only)"], extra), ""]
+                      table(["impl", "busbw GB/s", "busiest rank GB/s each way", "of memory limit",
+                             "busiest rank bytes each way (formula)",
+                             "rank 0 counted (PS)"], extra), ""]
     failed = [r for r in runs if not r.get("ok")]
     lines += [f"- `{r['impl']}` -np {r['np']} failed: {(r.get('error') or '?').splitlines()[-1]}"
               for r in failed]
@@ -227,9 +247,9 @@ def accuracy(res: dict) -> list[str]:
     lines = [f"## 5. Time to {target:.0%} test accuracy", ""]
     if acc.get("proxy"):
         lines += [f"> **{acc['proxy']}.**", ""]
-    lines += ["Real trainers, default flags" + (f" plus `{' '.join(acc['trainer_args'])}`"
-                                                  if acc.get("trainer_args") else "")
-              + " (4 epochs, batch 64 per rank, LR 0.01 x N with 1 warm-up epoch, cosine decay). "
+    lines += ["Real trainers, default flags (4 epochs, batch 64 per rank, LR 0.01 x N with 1 "
+              "warm-up epoch, cosine decay)" + (f", overridden by `{' '.join(acc['trainer_args'])}`"
+                                                if acc.get("trainer_args") else "") + ". "
               "Training seconds are the trainer's own epoch times added up to the first epoch at "
               "or above the target; the job is stopped there (the LR schedule is fixed by "
               "`--epochs`, so later epochs cannot change the answer). Wall time counts from launch, "

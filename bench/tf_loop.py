@@ -115,7 +115,8 @@ def main() -> None:
     if rank == 0:
         write_result(args.out, framework="tf", wrapper=args.wrapper, data=args.data, size=size,
                      batch=args.batch_size, steps=args.steps, seconds=seconds, threads=threads,
-                     extra={"tensorflow": tf.__version__, "keras": keras.__version__})
+                     extra={"tensorflow": tf.__version__, "keras": keras.__version__,
+                            "rank0_cores_busy": clock.cpu_seconds / clock.seconds})
 
 
 if __name__ == "__main__":

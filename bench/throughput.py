@@ -6,6 +6,9 @@ For each framework and -np, back to back so that drift on a shared machine hits 
   of its 2nd epoch (the 1st pays for tracing and first-touch);
 * ``loop/horovod/mnist``: the bench loop with Horovod, gathering MNIST batches like the trainer;
 * ``loop/horovod/synthetic``: the same with one fixed batch: compute + communication only;
+* at -np > 1, ``loop/horovod-gloo/synthetic``: the same under ``horovodrun --gloo`` (Horovod's
+  Gloo controller instead of MPI: on a small shared machine the controller matters, see
+  bench/analysis.md);
 * the peer: ``loop/ddp/synthetic`` (``torchrun``, gloo) or ``loop/mwms/synthetic``;
 
 and once per framework at -np 1: ``loop/none/synthetic`` (no Horovod at all, plain ``python``),
@@ -34,6 +37,7 @@ def plan(cfg: Config, frameworks: list[str]) -> list[Run]:
                 runs.append(Run(fw, "loop", "horovod", "mnist", np))
             runs.append(Run(fw, "loop", "horovod", "synthetic", np))
             if np > 1:
+                runs.append(Run(fw, "loop", "horovod-gloo", "synthetic", np))
                 runs.append(Run(fw, "loop", PEER[fw], "synthetic", np))
     return runs
 

@@ -76,7 +76,8 @@ def main() -> None:
     if rank == 0:
         write_result(args.out, framework="torch", wrapper=args.wrapper, data=args.data, size=size,
                      batch=args.batch_size, steps=args.steps, seconds=float(seconds[0]),
-                     threads=threads, extra={"torch": torch.__version__})
+                     threads=threads, extra={"torch": torch.__version__,
+                            "rank0_cores_busy": clock.cpu_seconds / clock.seconds})
     if dist is not None:
         dist.destroy_process_group()
 

@@ -22,10 +22,13 @@ def test_busbw_is_ring_traffic_over_time():
     assert metrics.algbw(1000, 0.5) == 2000.0
 
 
-def test_server_moves_n_times_a_ring_rank():
+def test_server_moves_n_over_2_times_a_ring_rank_each_way():
     for n in (2, 3, 4, 8):
         k = 4096
-        assert metrics.ps_bytes_at_server(k, n) == pytest.approx(n * metrics.ring_bytes_per_rank(k, n))
+        each_way = metrics.ps_bytes_each_way_at_server(k, n)
+        assert each_way == pytest.approx(n / 2 * metrics.ring_bytes_per_rank(k, n))
+        assert metrics.ps_bytes_at_server(k, n) == 2 * each_way == 2 * (n - 1) * k
+        assert metrics.ring_bytes_per_rank(k, n) < 2 * k
         assert metrics.ps_bytes_per_worker(k) == 2 * k
 
 
@@ -56,6 +59,7 @@ def test_parameter_server_counts_its_bytes(size):
     buf = np.ones(k // 4, dtype=np.float32)
     ps_allreduce(server, buf, np.empty_like(buf), counter)
     assert np.all(buf == size)  # own ones + (size-1) peers' ones
+    assert counter.sent == counter.received == metrics.ps_bytes_each_way_at_server(k, size)
     assert counter.sent + counter.received == metrics.ps_bytes_at_server(k, size)
     assert [d for d, _ in server.sent] == list(range(1, size))
 
@@ -121,9 +125,9 @@ def fake_results(quick: bool) -> dict:
             run("torch", "loop", "horovod", "synthetic", 2, 1800.0),
             run("torch", "loop", "ddp", "synthetic", 2, 1900.0)]
     rows = [{"bytes": 4096, "seconds": 1e-4, "busbw": 4.1e7, "busiest_rank_bytes": 4096,
-             "moved_bytes_per_rank": None}]
-    ps_rows = [{"bytes": 4096, "seconds": 2e-4, "busbw": 2.0e7, "busiest_rank_bytes": 8192,
-                "moved_bytes_per_rank": [8192, 8192]}]
+             "busiest_rank_bw": 4.1e7, "moved_bytes_per_rank": None}]
+    ps_rows = [{"bytes": 4096, "seconds": 2e-4, "busbw": 2.0e7, "busiest_rank_bytes": 4096,
+                "busiest_rank_bw": 2.0e7, "moved_bytes_per_rank": [[4096, 4096], [4096, 4096]]}]
     return {
         "meta": {"quick": quick, "started": "2026-11-23 04:00 UTC", "duration_s": 60.0,
                  "command": "python -m bench", "plots_rel": "bench/results"},
@@ -150,10 +154,10 @@ def test_report_renders_tables_ratios_and_machine():
     assert "Test CPU, 2 cores" in md
     assert "QUICK MODE" not in md
     assert "| 2 | 1600 | n/a | 1800 | 0.89x | 67% | 80% |" in md  # trainer vs loop, eff, core limit
-    assert "| 2 | 1800 | 1900 | 0.95x |" in md  # Horovod vs DDP
+    assert "| 2 | 1800 | n/a | 1900 | 0.95x | n/a |" in md  # Horovod (MPI, Gloo) vs DDP
     assert "0.99x" in md  # Horovod cost at -np 1 (1480 / 1500)
     assert "epoch 2" in md and "| 130 | 150 |" in md
-    assert "8 KiB + 8 KiB" in md  # counted PS bytes
+    assert "sent 4 KiB, received 4 KiB" in md  # counted PS bytes
 
 
 def test_quick_report_says_so():
