@@ -10,9 +10,9 @@ class Config:
     quick: bool = False
     nps: list[int] = field(default_factory=lambda: [1, 2, 4])
     # training throughput: untimed warm-up steps, then timed steps (per run)
-    warmup_steps: int = 10
-    steps: int = 80
-    trainer_steps: int = 80  # --max-steps per epoch of the real trainers (2 epochs, 2nd is timed)
+    warmup_steps: int = 8
+    steps: int = 50
+    trainer_steps: int = 50  # --max-steps per epoch of the real trainers (2 epochs, 2nd is timed)
     loop_mnist: bool = True  # also run the bench loop on MNIST (splits pipeline from trainer code)
     # collectives
     coll_nps: list[int] = field(default_factory=lambda: [2, 4])
