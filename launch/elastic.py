@@ -9,8 +9,17 @@ is (one integer, see :func:`launch.sharding.remaining_shard`), and the LR for th
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
 
 from launch.errors import UserError
+from launch.lr import lr_at, scaled_lr
+from launch.report import EpochRecord, Reporter
+from launch.sharding import remaining_shard
 
 LAUNCH_HINT = ("horovodrun -np 2 --min-np 1 --max-np 4 --host-discovery-script "
                "launch/discover_hosts.sh python -m launch.torch_mnist --elastic")
@@ -38,3 +47,101 @@ def epoch_progress(epoch: int, consumed: int, num_samples: int) -> float:
     """Fractional epochs done, by samples consumed: the LR schedule's clock, which does not care
     how many workers consumed them."""
     return epoch - 1 + consumed / num_samples
+
+
+# --- the loop both frameworks run inside hvd.elastic.run ---------------------------------------
+
+def initial_state(start_epoch: int = 0) -> dict[str, Any]:
+    """The plain-Python part of an elastic job's committed state (the framework's State object
+    adds model and optimizer).  ``consumed`` is the job's position in the epoch order."""
+    return {"epoch": start_epoch + 1, "consumed": 0, "epoch_steps": 0, "loss_sum": [0.0, 0.0],
+            "epoch_started": time.time(), "train_seconds": 0.0, "images_seen": 0.0,
+            "records": [], "resizes": []}
+
+
+@dataclass
+class Glue:
+    """What the shared loop needs from a framework, for the current world."""
+
+    rank: int
+    size: int
+    step: Callable[[np.ndarray, float], tuple[float, int]]  # (this rank's indices, lr) -> (loss sum, n)
+    sum_across_ranks: Callable[[list[float]], list[float]]  # a Sum allreduce (a collective)
+    evaluate: Callable[[], tuple[float, float]]  # exact global (test loss, test accuracy)
+    save_checkpoint: Callable[[int], None]  # rank 0, after each epoch (a no-op without a folder)
+
+
+def run_epochs(state, args, n_train: int, glue: Glue, report: Reporter) -> tuple[float, float]:
+    """Train from ``state``'s position to the last epoch; return the final (test loss, accuracy).
+
+    Called again after every membership change, with ``state`` restored to its last commit and
+    synced from rank 0: everything that depends on the world size is derived here, from
+    ``glue.size``, never carried over.
+    """
+    k, batch = args.backward_passes_per_step, args.batch_size
+    target_lr = scaled_lr(args.base_lr, glue.size, args.lr_scaling)
+    if not state.resizes or state.resizes[-1]["world_size"] != glue.size:
+        state.resizes.append({"epoch": state.epoch, "consumed": state.consumed,
+                              "world_size": glue.size, "target_lr": target_lr})
+        report.info(f"elastic: {glue.size} worker(s) from epoch {state.epoch}, sample "
+                    f"{state.consumed}/{n_train}: lr {args.base_lr:g} -> {target_lr:g}, "
+                    f"global batch {batch * glue.size * k}")
+    result = None
+    while state.epoch <= args.epochs:
+        epoch = state.epoch
+        shard = remaining_shard(n_train, state.consumed, glue.rank, glue.size, args.seed, epoch,
+                                shuffle=not args.no_shuffle)
+        steps = len(shard) // (batch * k) + (1 if k == 1 and len(shard) % batch else 0)
+        if args.max_steps:
+            steps = max(0, min(steps, args.max_steps - state.epoch_steps))
+        done_before, pending, lr = state.epoch_steps, [0.0, 0.0], target_lr
+        for step in range(steps):
+            lr = lr_at(epoch_progress(epoch, state.consumed, n_train), args.base_lr, target_lr,
+                       args.warmup_epochs, args.epochs, args.lr_decay)
+            loss_sum, used = glue.step(shard[step * batch * k:][:batch * k], lr)
+            pending = [pending[0] + loss_sum, pending[1] + used]
+            state.consumed += used * glue.size  # a strided prefix per rank is a prefix of the order
+            state.epoch_steps += 1
+            report.step(epoch, args.epochs, state.epoch_steps, done_before + steps,
+                        loss_sum / max(used, 1))
+            if (step + 1) % args.commit_every == 0 and step + 1 < steps:
+                pending = _fold(state, pending, glue)
+                state.commit()
+        _fold(state, pending, glue)
+        test_loss, test_acc = glue.evaluate()
+        seconds = time.time() - state.epoch_started
+        rec = EpochRecord(epoch=epoch, train_loss=state.loss_sum[0] / max(state.loss_sum[1], 1),
+                          test_loss=test_loss, test_accuracy=test_acc, lr=lr, seconds=seconds,
+                          images_per_second=state.loss_sum[1] / seconds)
+        report.epoch(rec, args.epochs)
+        if glue.rank == 0:
+            glue.save_checkpoint(epoch)
+        state.records.append(asdict(rec))
+        state.train_seconds += seconds
+        state.images_seen += state.loss_sum[1]
+        state.epoch, state.consumed, state.epoch_steps = epoch + 1, 0, 0
+        state.loss_sum, state.epoch_started = [0.0, 0.0], time.time()
+        state.commit()
+        result = (test_loss, test_acc)
+    if result is None:
+        last = state.records[-1] if state.records else None
+        result = (last["test_loss"], last["test_accuracy"]) if last else glue.evaluate()
+    return result
+
+
+def summary_fields(state, args, glue: Glue) -> dict[str, Any]:
+    """The elastic parts of the run's :class:`launch.report.Summary`."""
+    k = args.backward_passes_per_step
+    return {"world_size": glue.size, "batch_size_per_rank": args.batch_size,
+            "global_batch_size": args.batch_size * glue.size * k, "base_lr": args.base_lr,
+            "effective_lr": scaled_lr(args.base_lr, glue.size, args.lr_scaling),
+            "lr_scaling": args.lr_scaling, "epochs": [EpochRecord(**r) for r in state.records],
+            "elastic_resizes": list(state.resizes)}
+
+
+def _fold(state, pending: list[float], glue: Glue) -> list[float]:
+    """Add every rank's loss since the last commit to the committed epoch total (a collective, so
+    the epoch's train loss survives ranks that leave); return the emptied pending sums."""
+    total = glue.sum_across_ranks(pending)
+    state.loss_sum = [state.loss_sum[0] + total[0], state.loss_sum[1] + total[1]]
+    return [0.0, 0.0]
