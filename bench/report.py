@@ -86,15 +86,17 @@ def throughput(res: dict) -> list[str]:
              "Images/s summed over ranks. *trainer*: the real `launch.*_mnist` under `horovodrun` "
              "(its 2nd epoch of `--max-steps` steps). *loop*: `bench/*_loop.py`, the same model and "
              "optimizer with nothing else, on MNIST batches gathered like the trainer does, or on one "
-             "fixed synthetic batch (no input pipeline). Efficiency = T(N) / (N x T(1)) of the "
-             "trainer; *of core limit* = trainer / (1-core rate x min(N, cores)). Peak RSS is the "
-             "largest rank's.", "", f"![scaling]({res['meta']['plots_rel']}/scaling.png)", ""]
+             "fixed synthetic batch (no input pipeline). Efficiency = T(N) / (N x T(1)), for the "
+             "trainer (MNIST) and for the synthetic loop; *of core limit* = trainer / (1-core rate "
+             "x min(N, cores)). Peak RSS is the largest rank's.", "",
+             f"![scaling]({res['meta']['plots_rel']}/scaling.png)", ""]
     for fw in ("torch", "tf"):
         nps = sorted({r["np"] for r in runs if r["framework"] == fw and r["kind"] == "trainer"})
         if not nps:
             continue
         per_core = ips(runs, fw, "loop", "none", "synthetic", 1, threads=1)
         t1 = ips(runs, fw, "trainer", "horovod", "mnist", 1)
+        s1 = ips(runs, fw, "loop", "horovod", "synthetic", 1)
         rows = []
         for n in nps:
             tr = ips(runs, fw, "trainer", "horovod", "mnist", n)
@@ -106,11 +108,13 @@ def throughput(res: dict) -> list[str]:
             rss_s = max(rec_s["peak_rss_mib"]) if rec_s and rec_s.get("peak_rss_mib") else None
             rows.append([str(n), num(tr), num(lm), num(ls), x(metrics.ratio(tr, ls)),
                          pct(metrics.scaling_efficiency(tr, t1, n) if tr and t1 else None),
+                         pct(metrics.scaling_efficiency(ls, s1, n) if ls and s1 else None),
                          pct(metrics.ratio(tr, metrics.core_limit(per_core, n, cores)) if per_core else None),
                          f"{num(rss)} / {num(rss_s)}"])
         lines += [f"### {FW[fw]}", "",
                   table(["-np", "trainer, MNIST", "loop, MNIST", "loop, synthetic",
-                         "trainer / synthetic loop", "scaling eff.", "of core limit",
+                         "trainer / synthetic loop", "scaling eff. (trainer)",
+                         "scaling eff. (synthetic)", "of core limit",
                          "peak RSS MiB (trainer / loop)"], rows), ""]
     failed = [r for r in runs if not r.get("ok")]
     if failed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -85,21 +86,33 @@ class Result:
 
 def run(cmd: Sequence[str], env: dict[str, str] | None = None, timeout: float = 900,
         log: Path | None = None) -> Result:
-    """Run to completion; output goes to ``log`` (kept for post-mortems) and is returned."""
+    """Run to completion; output goes to ``log`` (kept for post-mortems) and is returned.
+
+    The job gets its own process group so that a timeout ends the launcher *and* the ranks it
+    started (killing only ``horovodrun`` would leave them running and skew the next run).
+    """
     t0 = time.perf_counter()
+    proc = subprocess.Popen(list(cmd), env=env or base_env(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(list(cmd), env=env or base_env(), cwd=REPO, timeout=timeout,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        code, out = proc.returncode, proc.stdout
-    except subprocess.TimeoutExpired as err:
-        code, out = 124, (err.stdout or b"").decode(errors="replace") if isinstance(
-            err.stdout, bytes) else (err.stdout or "")
-        out += f"\n[bench] timed out after {timeout}s"
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, _ = proc.communicate()
+        code, out = 124, (out or "") + f"\n[bench] timed out after {timeout}s"
     seconds = time.perf_counter() - t0
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(" ".join(cmd) + "\n\n" + out)
     return Result(code, seconds, out)
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def run_parallel(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
@@ -108,7 +121,8 @@ def run_parallel(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
     the job fails if any process does."""
     t0 = time.perf_counter()
     procs = [subprocess.Popen(list(c), env=e, cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for c, e in zip(cmds, envs, strict=True)]
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for c, e in zip(cmds, envs, strict=True)]
     outs, code = [], 0
     deadline = t0 + timeout
     for i, p in enumerate(procs):
@@ -116,7 +130,7 @@ def run_parallel(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
             out, _ = p.communicate(timeout=max(1.0, deadline - time.perf_counter()))
         except subprocess.TimeoutExpired:
             for q in procs:
-                q.kill()
+                kill_group(q)
             out, _ = p.communicate()
             out += f"\n[bench] timed out after {timeout}s"
             code = 124

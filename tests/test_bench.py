@@ -153,7 +153,8 @@ def test_report_renders_tables_ratios_and_machine():
     md = render(fake_results(quick=False))
     assert "Test CPU, 2 cores" in md
     assert "QUICK MODE" not in md
-    assert "| 2 | 1600 | n/a | 1800 | 0.89x | 67% | 80% |" in md  # trainer vs loop, eff, core limit
+    # trainer vs loop, efficiency (trainer, synthetic), core limit
+    assert "| 2 | 1600 | n/a | 1800 | 0.89x | 67% | 61% | 80% |" in md
     assert "| 2 | 1800 | n/a | 1900 | 0.95x | n/a |" in md  # Horovod (MPI, Gloo) vs DDP
     assert "0.99x" in md  # Horovod cost at -np 1 (1480 / 1500)
     assert "epoch 2" in md and "| 130 | 150 |" in md
