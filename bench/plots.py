@@ -22,13 +22,22 @@ SERIES = [  # (kind, wrapper, data, label, style)
 ]
 
 
+def _stamp(fig, results: dict) -> None:
+    """Say on the figure itself which machine and mode it comes from (figures travel alone)."""
+    m = results.get("machine", {})
+    quick = "QUICK MODE (not a benchmark)  |  " if results.get("meta", {}).get("quick") else ""
+    fig.suptitle(f"{quick}{m.get('cpu_model', '?')}, {m.get('cores', '?')} cores, "
+                 f"{results.get('meta', {}).get('started', '')}", fontsize=9,
+                 color="red" if quick else "black")
+
+
 def scaling(results: dict, path: Path) -> Path | None:
     runs = results.get("throughput", {}).get("runs", [])
     frameworks = [fw for fw in ("torch", "tf") if any(r["framework"] == fw for r in runs)]
     if not frameworks:
         return None
     cores = results["machine"]["cores"]
-    fig, axes = plt.subplots(1, len(frameworks), figsize=(6.2 * len(frameworks), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(frameworks), figsize=(6.2 * len(frameworks), 5.6), squeeze=False)
     for ax, fw in zip(axes[0], frameworks, strict=True):
         nps = sorted({r["np"] for r in runs if r["framework"] == fw and r["kind"] == "trainer"})
         for kind, wrapper, data, label, style in SERIES:
@@ -46,7 +55,8 @@ def scaling(results: dict, path: Path) -> Path | None:
         ax.set_xticks(nps)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    _stamp(fig, results)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -76,6 +86,7 @@ def bandwidth(results: dict, path: Path) -> Path | None:
         ax.set_ylabel("GB/s")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
+    _stamp(fig, results)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -101,6 +112,7 @@ def accuracy(results: dict, path: Path) -> Path | None:
     ax.set_title("time to accuracy" + (" (QUICK PROXY)" if acc.get("proxy") else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    _stamp(fig, results)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

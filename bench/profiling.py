@@ -23,10 +23,34 @@ def frame_name(frame: str) -> str:
     return _LINE_NO.sub(")", frame.strip())
 
 
+# Coarse buckets for a sample, first match wins (checked against the whole stack, outermost
+# first for imports and exit, innermost first otherwise): enough to tell compute from waiting
+# from start-up without reading a flame graph.
+CATEGORIES = (
+    ("start-up (imports)", ("_find_and_load (",)),
+    ("exit (shutdown, gc)", ("shutdown (", "_exitfunc (", "gc_collect_main")),
+    ("Horovod / collectives", ("horovod/", "horovod::", "torch/distributed/", "gloo::",
+                               "tensorflow/python/distribute/", "mpi4py", "PMPI_", "ompi_")),
+    ("backward", ("backward (torch/", "run_backward", "gradient (tensorflow/", "GradientTape")),
+    ("optimizer update", ("torch/optim/", "apply_gradients (")),
+    ("forward", ("forward (", "_call_impl (", "__call__ (keras/", "__call__ (tensorflow/")),
+    ("input pipeline", ("tensorflow/python/data/", "normalize (", "shard_indices (")),
+)
+
+
+def categorize(frames: list[str]) -> str:
+    for name, needles in CATEGORIES:
+        if any(n in f for f in frames for n in needles):
+            return name
+    return "other"
+
+
 def summarize_pyspy(path: Path, top: int = 12) -> dict:
-    """Self time (leaf frames) and inclusive time per function from py-spy's raw output."""
+    """Self time (leaf frames), inclusive time per function and coarse categories from py-spy's
+    raw output (collapsed stacks, one ``frame;frame;... count`` per line)."""
     self_time: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
+    buckets: Counter[str] = Counter()
     total = 0
     for line in Path(path).read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -37,11 +61,14 @@ def summarize_pyspy(path: Path, top: int = 12) -> dict:
         total += n
         if frames:
             self_time[frames[-1]] += n
+        buckets[categorize(frames)] += n
         for f in set(frames):
             inclusive[f] += n
     def rows(counter: Counter) -> list[dict]:
         return [{"function": f, "share": c / total} for f, c in counter.most_common(top)] if total else []
-    return {"samples": total, "self": rows(self_time), "inclusive": rows(inclusive)}
+    return {"samples": total, "self": rows(self_time), "inclusive": rows(inclusive),
+            "categories": [{"category": c, "share": n / total} for c, n in buckets.most_common()]
+            if total else []}
 
 
 def load_timeline(path: Path) -> list[dict]:
@@ -71,7 +98,8 @@ def summarize_timeline(path: Path, top: int = 10) -> dict:
             total[name] += ev.get("dur", 0)
             count[name] += 1
     return {"activities": [{"activity": n, "total_ms": t / 1e3, "count": count[n],
-                            "mean_us": t / max(count[n], 1)} for n, t in total.most_common(top)]}
+                            "mean_us": t / max(count[n], 1)}
+                           for n, t in total.most_common(top) if t > 0]}
 
 
 def collect(out: Path) -> dict | None:

@@ -202,7 +202,7 @@ def collectives(res: dict) -> list[str]:
              "in each direction, against a ring rank's 2(N-1)/N x K in each direction: N/2 times "
              "more, growing with N where the ring's stays under 2K. The server's bytes are counted "
              "in the code and shown next to the formula below.", "",
-             "![bandwidth]({res['meta']['plots_rel']}/bandwidth.png)", ""]
+             f"![bandwidth]({res['meta']['plots_rel']}/bandwidth.png)", ""]
     for n in sorted({r["np"] for r in runs}):
         at = [r for r in runs if r["np"] == n and r.get("ok")]
         by = {r["impl"]: {row["bytes"]: row for row in r["rows"]} for r in at}
@@ -280,12 +280,27 @@ def profile(res: dict) -> list[str]:
     prof = res.get("profile")
     lines = []
     if prof:
-        lines += [f"### Profile of `{prof.get('target')}` (rank 0)", ""]
+        run = prof.get("run") or {}
+        lines += [f"### Profile of `{prof.get('target')}` (rank 0)", "",
+                  f"Taken {prof.get('started', '?')} with `python -m bench --profile` "
+                  f"({'quick' if prof.get('quick') else 'full'} step counts"
+                  f"{', native frames' if prof.get('native') else ''}); that run made "
+                  f"{num(run.get('images_per_second'))} img/s under the profiler.", ""]
         py = prof.get("pyspy")
         if py and py.get("samples"):
-            lines += [f"py-spy, {py['samples']} samples. Self time (where the CPU was):", "",
+            def short(name: str) -> str:
+                return name if len(name) <= 90 else name[:87] + "..."
+
+            lines += [f"py-spy, {py['samples']} samples of the whole process (start-up and exit "
+                      "included; idle time is not sampled).", ""]
+            if py.get("categories"):
+                lines += ["By category (`bench/profiling.py: CATEGORIES`):", "",
+                          table(["category", "share"], [[c["category"], pct(c["share"])]
+                                                        for c in py["categories"]]), ""]
+            lines += ["Self time (where the CPU was):", "",
                       table(["function", "share"],
-                            [[f"`{r['function']}`", pct(r["share"])] for r in py["self"][:10]]), ""]
+                            [[f"`{short(r['function'])}`", pct(r["share"])] for r in py["self"][:10]]),
+                      ""]
         tl = prof.get("timeline")
         if tl and tl.get("activities"):
             lines += ["Horovod timeline (rank 0's view of each tensor's life):", "",
