@@ -64,7 +64,7 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
     g.add_argument("--elastic", action="store_true",
                    help="keep training when workers leave or join (horovodrun --min-np/--max-np "
-                        "--host-discovery-script ...; PyTorch only; see docs/fault-tolerance.md)")
+                        "--host-discovery-script ...; see docs/fault-tolerance.md)")
     g.add_argument("--commit-every", type=int, default=20,
                    help="with --elastic: commit the training state every N steps; a lost worker "
                         "costs at most N steps of redone work (default 20)")

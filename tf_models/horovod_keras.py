@@ -45,11 +45,12 @@ import horovod.tensorflow as hvd
 import keras
 import numpy as np
 import tensorflow as tf
+from horovod.common.elastic import ObjectState
 
 from launch.lr import DECAY_RULES, lr_at
 
 __all__ = [
-    "BroadcastInitialState", "DistributedModel", "MetricAverage", "WarmupSchedule",
+    "BroadcastInitialState", "DistributedModel", "ElasticKerasState", "MetricAverage", "WarmupSchedule",
     "allreduce_gradients", "allreduce_sums", "broadcast_initial_state", "broadcast_variables",
 ]
 
@@ -100,6 +101,37 @@ class BroadcastInitialState(keras.callbacks.Callback):
         if not self.done:
             broadcast_initial_state(self.model, self.model.optimizer, self.root_rank)
             self.done = True
+
+
+class ElasticKerasState(ObjectState):
+    """``hvd.elastic`` state for a Keras 3 model and optimizer, plus plain Python attributes.
+
+    The Keras 3 counterpart of ``hvd.elastic.TensorFlowKerasState``, which calls
+    ``optimizer.variables()`` (a list in Keras 3: ``TypeError: 'list' object is not callable``)
+    and broadcasts through ``hvd.broadcast_variables``.  A commit copies every model weight and
+    optimizer variable to host memory; a rollback assigns them back; a sync broadcasts them from
+    rank 0 the way :func:`broadcast_variables` does.  Build the optimizer before creating it.
+    """
+
+    def __init__(self, model: keras.Model, optimizer, **kwargs) -> None:
+        self.model, self.optimizer = model, optimizer
+        self._tracked = [*model.weights, *optimizer.variables]
+        self._saved_values = [np.array(v.numpy()) for v in self._tracked]
+        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **kwargs)
+
+    def save(self) -> None:
+        self._saved_values = [np.array(v.numpy()) for v in self._tracked]
+        super().save()
+
+    def restore(self) -> None:
+        for var, value in zip(self._tracked, self._saved_values, strict=True):
+            var.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        broadcast_variables(self._tracked, root_rank=0, prefix="elastic")
+        self._saved_values = [np.array(v.numpy()) for v in self._tracked]
+        super().sync()
 
 
 # --- gradients ---------------------------------------------------------------------------------

@@ -336,9 +336,11 @@ def train(args: argparse.Namespace) -> Summary:
 
 
 def main_with(args: argparse.Namespace) -> int:
+    check_launcher(args.elastic)
     if args.elastic:
-        raise UserError("--elastic is implemented for PyTorch only (launch.torch_mnist): Horovod "
-                        "0.28.1's elastic Keras state calls optimizer.variables(), a list in Keras 3")
-    check_launcher(False)
-    train(args)
+        from tf_models.elastic import train_elastic
+
+        train_elastic(args)
+    else:
+        train(args)
     return 0

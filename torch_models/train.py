@@ -93,6 +93,10 @@ def train(args: argparse.Namespace) -> Summary:
     torch.set_num_threads(threads_per_rank(hvd.local_size()))
     use_cuda = torch.cuda.is_available()
     if use_cuda:
+        if hvd.local_rank() >= torch.cuda.device_count():  # NCCL refuses two ranks on one GPU
+            raise UserError(f"{hvd.local_size()} ranks on this host but only "
+                            f"{torch.cuda.device_count()} GPU(s); run at most "
+                            f"{torch.cuda.device_count()} processes per host")
         torch.cuda.set_device(hvd.local_rank())
     device = torch.device("cuda" if use_cuda else "cpu")
     if args.amp and not use_cuda:

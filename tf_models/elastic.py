@@ -1,0 +1,106 @@
+"""Elastic data-parallel MNIST on TensorFlow/Keras 3: keeps training while workers leave and join.
+
+The epoch loop is shared with PyTorch (:func:`launch.elastic.run_epochs`); this module is the
+Keras glue: :class:`tf_models.horovod_keras.ElasticKerasState` for commits, rollbacks and the
+broadcast to newcomers, and the same :class:`DistributedModel` train step as ``model.fit`` uses,
+called directly so that the loop can stop at any step.  The LR is set on the optimizer before
+each step: a per-step schedule keyed on the step counter cannot follow a world size that changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import horovod
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import tensorflow as tf
+from horovod.common.exceptions import HorovodInternalError
+
+from launch import checkpoint, elastic, mnist
+from launch.errors import UserError
+from launch.report import Reporter, Summary
+from launch.runtime import configure_stall_check, controller
+from launch.sharding import eval_indices
+from tf_models.horovod_keras import DistributedModel, ElasticKerasState, allreduce_sums
+from tf_models.model import build_model
+from tf_models.train import configure_devices, load_checkpoint, make_evaluator, save_checkpoint
+
+
+def train_elastic(args: argparse.Namespace) -> Summary:
+    if args.amp:
+        raise UserError("--amp is not supported with --elastic yet; drop one of the two flags")
+    configure_stall_check(args.stall_timeout)
+    hvd.init()
+    configure_devices(hvd.local_rank(), hvd.local_size())
+    if args.checkpoint_dir and hvd.rank() == 0:
+        checkpoint.ensure_writable(args.checkpoint_dir)
+    # Every worker reads the files itself: a broadcast here would be a collective outside the
+    # elastic loop, which a worker joining mid-run would never be matched with.
+    data = mnist.load(args.data_dir)
+    n_train = args.train_samples or len(data.train_labels)
+    n_test = min(args.test_samples or len(data.test_labels), len(data.test_labels))
+    train_x = mnist.normalize(data.train_images[:n_train])[..., np.newaxis]
+    train_y = data.train_labels[:n_train]
+    test_x = mnist.normalize(data.test_images[:n_test])[..., np.newaxis]
+    test_y = data.test_labels[:n_test]
+
+    keras.utils.set_random_seed(args.seed + hvd.rank())  # rank 0's weights win at the first sync
+    net = build_model(args.dropout, None)
+    param_count = net.count_params()
+    optimizer = keras.optimizers.SGD(learning_rate=args.base_lr, momentum=args.momentum)
+    optimizer.build(net.trainable_variables)
+    start_epoch = 0
+    if args.resume and hvd.rank() == 0:  # the first sync hands rank 0's restored state to all
+        start_epoch = load_checkpoint(args.checkpoint_dir, net, optimizer, param_count, 0)
+    model = DistributedModel(
+        net, backward_passes_per_step=args.backward_passes_per_step,
+        micro_batch_size=args.batch_size, fp16_allreduce=args.fp16_allreduce,
+        gradient_predivide_factor=args.gradient_predivide_factor)
+    model.compile(optimizer=optimizer)
+    state = ElasticKerasState(net, optimizer, **elastic.initial_state(start_epoch))
+    evaluate = make_evaluator(net)
+
+    @hvd.elastic.run
+    def run(state) -> Summary:
+        try:
+            return one_world(state)
+        except tf.errors.OpError as err:
+            # A peer died mid-collective.  Horovod's TF wrapper recognises only some op names
+            # (not HorovodGroupedAllreduce) and silently returns None for the rest.
+            if "Horovod" not in str(err):
+                raise
+            raise HorovodInternalError(err) from err
+
+    def one_world(state) -> Summary:
+        rank, size = hvd.rank(), hvd.size()
+        # Traced anew for every world: the gradient exchange is decided at trace time (a world of
+        # one issues no allreduce), so a step traced for one worker must not run with two.
+        train_step = tf.function(model.train_step, jit_compile=False)
+
+        def step(idx: np.ndarray, lr: float) -> tuple[float, int]:
+            optimizer.learning_rate = lr
+            model.loss_tracker.reset_state()
+            train_step((tf.constant(train_x[idx]), tf.constant(train_y[idx])))
+            return float(model.loss_tracker.total.numpy()), len(idx)
+
+        eval_idx = eval_indices(n_test, rank, size)
+        glue = elastic.Glue(
+            rank=rank, size=size, step=step,
+            sum_across_ranks=lambda values: allreduce_sums(values, name="elastic_sums").tolist(),
+            evaluate=lambda: evaluate(test_x[eval_idx], test_y[eval_idx]),
+            save_checkpoint=lambda epoch: args.checkpoint_dir and save_checkpoint(
+                args.checkpoint_dir, epoch, net, optimizer, param_count, args))
+        report = Reporter(rank == 0, progress=not args.no_progress)
+        test_loss, test_acc = elastic.run_epochs(state, args, n_train, glue, report)
+        summary = Summary(framework="tf", controller=controller(hvd), param_count=param_count,
+                          versions={"tensorflow": tf.__version__, "keras": keras.__version__,
+                                    "horovod": horovod.__version__},
+                          **elastic.summary_fields(state, args, glue))
+        return report.finish(summary, test_loss=test_loss, test_acc=test_acc,
+                             train_seconds=state.train_seconds, images_seen=state.images_seen,
+                             params=[w.numpy() for w in net.weights],
+                             allgather_object=hvd.allgather_object, metrics_out=args.metrics_out)
+
+    return run(state)
