@@ -36,7 +36,7 @@ def plan(cfg: Config, frameworks: list[str]) -> list[Run]:
             if cfg.loop_mnist:
                 runs.append(Run(fw, "loop", "horovod", "mnist", np))
             runs.append(Run(fw, "loop", "horovod", "synthetic", np))
-            if np > 1:
+            if np > 1 and cfg.gloo_loops:
                 runs.append(Run(fw, "loop", "horovod-gloo", "synthetic", np))
                 runs.append(Run(fw, "loop", PEER[fw], "synthetic", np))
     return runs
