@@ -320,6 +320,9 @@ def render(res: dict) -> str:
 
 def write(results_path: Path, markdown_path: Path) -> Path:
     res = util.read_json(results_path)
+    profile = results_path.parent / "profile.json"  # written by --profile after the suite ran
+    if profile.exists():
+        res["profile"] = util.read_json(profile)
     res.setdefault("meta", {})["results_path"] = _rel(results_path, markdown_path)
     res["meta"]["plots_rel"] = _rel(results_path.parent, markdown_path)
     from bench import plots  # matplotlib: only needed for the figures (the bench extra)
