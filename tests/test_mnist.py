@@ -12,7 +12,8 @@ import pytest
 from launch import mnist
 from launch.errors import UserError
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+# The real files, found the way the trainers find them ($MNIST_DIR, then ../shared/data/mnist).
+SHARED = mnist.resolve_data_dir(None)
 
 
 def idx_bytes(arr: np.ndarray, magic: int) -> bytes:
@@ -28,8 +29,8 @@ def write_gz(path: Path, data: bytes) -> Path:
 
 @pytest.fixture(scope="module")
 def real_dir() -> Path:
-    if not SHARED.is_dir():
-        pytest.skip(f"MNIST not present at {SHARED}")
+    if not all((SHARED / name).is_file() for name, _ in mnist.FILES.values()):
+        pytest.skip(f"MNIST not present at {SHARED}; set MNIST_DIR")
     return SHARED
 
 
