@@ -156,7 +156,13 @@ def load(data_dir: str | os.PathLike | None = None, download: bool = True) -> Mn
 
 def normalize(images: np.ndarray) -> np.ndarray:
     """uint8 [N, 28, 28] -> float32 [N, 28, 28] scaled like torchvision's ToTensor + Normalize."""
-    return ((images.astype(np.float32) / 255.0) - PIXEL_MEAN) / PIXEL_STD
+    # In place, same operations in the same order: one float32 copy instead of four (the whole
+    # training set is ~190 MB as float32, and every rank on the host holds its own).
+    out = images.astype(np.float32)
+    out /= 255.0
+    out -= PIXEL_MEAN
+    out /= PIXEL_STD
+    return out
 
 
 def load_on_all_ranks(data_dir: str | None, rank: int, broadcast_object) -> Mnist:
