@@ -21,7 +21,7 @@ from horovod.common.exceptions import HorovodInternalError
 from launch import checkpoint, elastic, mnist
 from launch.errors import UserError
 from launch.report import Reporter, Summary
-from launch.runtime import configure_stall_check, controller
+from launch.runtime import before_init, controller
 from launch.sharding import eval_indices
 from tf_models.horovod_keras import DistributedModel, ElasticKerasState, allreduce_sums
 from tf_models.model import build_model
@@ -31,7 +31,7 @@ from tf_models.train import configure_devices, load_checkpoint, make_evaluator, 
 def train_elastic(args: argparse.Namespace) -> Summary:
     if args.amp:
         raise UserError("--amp is not supported with --elastic yet; drop one of the two flags")
-    configure_stall_check(args.stall_timeout)
+    before_init(args.stall_timeout)
     hvd.init()
     configure_devices(hvd.local_rank(), hvd.local_size())
     if args.checkpoint_dir and hvd.rank() == 0:

@@ -30,7 +30,7 @@ from launch.elastic import check_launcher
 from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
 from launch.report import EpochRecord, Reporter, Summary
-from launch.runtime import configure_stall_check, controller, threads_per_rank
+from launch.runtime import before_init, controller, threads_per_rank
 from launch.sharding import optimizer_steps, shard_indices
 from tf_models.horovod_keras import (
     DistributedModel,
@@ -249,7 +249,7 @@ class EpochEnd(keras.callbacks.Callback):
 # --- the job -----------------------------------------------------------------------------------
 
 def train(args: argparse.Namespace) -> Summary:
-    configure_stall_check(args.stall_timeout)
+    before_init(args.stall_timeout)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     use_gpu = configure_devices(hvd.local_rank(), hvd.local_size())

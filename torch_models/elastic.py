@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from launch import checkpoint, elastic, mnist
 from launch.errors import UserError
 from launch.report import Reporter, Summary
-from launch.runtime import configure_stall_check, controller, threads_per_rank
+from launch.runtime import before_init, controller, threads_per_rank
 from launch.sharding import eval_indices
 from torch_models.model import MnistCNN
 from torch_models.train import evaluate, load_checkpoint, save_checkpoint, to_tensors
@@ -30,7 +30,7 @@ from torch_models.train import evaluate, load_checkpoint, save_checkpoint, to_te
 def train_elastic(args: argparse.Namespace) -> Summary:
     if args.amp:
         raise UserError("--amp is not supported with --elastic yet; drop one of the two flags")
-    configure_stall_check(args.stall_timeout)
+    before_init(args.stall_timeout)
     hvd.init()
     if args.checkpoint_dir and hvd.rank() == 0:
         checkpoint.ensure_writable(args.checkpoint_dir)

@@ -22,7 +22,7 @@ from launch.elastic import check_launcher
 from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
 from launch.report import EpochRecord, Reporter, Summary
-from launch.runtime import configure_stall_check, controller, threads_per_rank
+from launch.runtime import before_init, controller, threads_per_rank
 from launch.sharding import optimizer_steps, shard_indices
 from torch_models.model import MODEL_NAME, MnistCNN
 
@@ -86,7 +86,7 @@ def evaluate(model, x, y, batch_size: int) -> tuple[float, float]:
 
 
 def train(args: argparse.Namespace) -> Summary:
-    configure_stall_check(args.stall_timeout)
+    before_init(args.stall_timeout)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     cli.validate_world(args, size)
