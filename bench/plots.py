@@ -56,11 +56,7 @@ def scaling(results: dict, path: Path) -> Path | None:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-    _stamp(fig, results)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, results, path)
 
 
 def bandwidth(results: dict, path: Path) -> Path | None:
@@ -86,11 +82,7 @@ def bandwidth(results: dict, path: Path) -> Path | None:
         ax.set_ylabel("GB/s")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    _stamp(fig, results)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, results, path)
 
 
 def accuracy(results: dict, path: Path) -> Path | None:
@@ -112,11 +104,7 @@ def accuracy(results: dict, path: Path) -> Path | None:
     ax.set_title("time to accuracy" + (" (QUICK PROXY)" if acc.get("proxy") else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _stamp(fig, results)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, results, path)
 
 
 def render_all(results: dict, folder: Path) -> dict[str, str]:
@@ -127,3 +115,12 @@ def render_all(results: dict, folder: Path) -> dict[str, str]:
         if out:
             made[name] = out.name
     return made
+
+
+def _save(fig, results: dict, path: Path) -> Path:
+    """Stamp the machine and run time, write the PNG, free the figure."""
+    _stamp(fig, results)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

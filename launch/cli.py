@@ -127,6 +127,8 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         raise UserError("--gradient-predivide-factor works only with averaging, not --adasum")
     if args.commit_every <= 0:
         raise UserError(f"--commit-every must be a positive number of steps, got {args.commit_every}")
+    if args.elastic and args.amp:
+        raise UserError("--amp is not supported with --elastic yet; drop one of the two flags")
     if args.elastic and args.adasum:
         raise UserError("--adasum needs a power-of-two world size, which an --elastic job cannot "
                         "promise; drop one of the two flags")

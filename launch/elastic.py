@@ -43,6 +43,19 @@ def check_launcher(elastic_flag: bool) -> None:
                         "--host-discovery-script); add --elastic to the trainer's flags")
 
 
+def local_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(train images, train labels, test images, test labels), uint8 images, read by this worker
+    alone: a broadcast here would be a collective outside the elastic loop, which a worker
+    joining mid-run would never be matched with.  Sharding happens later, per world."""
+    from launch import mnist
+
+    data = mnist.load(args.data_dir)
+    n_train = args.train_samples or len(data.train_labels)
+    n_test = min(args.test_samples or len(data.test_labels), len(data.test_labels))
+    return (data.train_images[:n_train], data.train_labels[:n_train],
+            data.test_images[:n_test], data.test_labels[:n_test])
+
+
 def epoch_progress(epoch: int, consumed: int, num_samples: int) -> float:
     """Fractional epochs done, by samples consumed: the LR schedule's clock, which does not care
     how many workers consumed them."""

@@ -34,6 +34,7 @@ def one_error_line(proc, *needles: str) -> str:
     (["--epochs", "two"], "invalid int value: 'two'"),
     (["--commit-every", "0"], "--commit-every must be a positive number of steps"),
     (["--elastic", "--adasum"], "--adasum needs a power-of-two world size"),
+    (["--elastic", "--amp"], "--amp is not supported with --elastic"),
 ])
 def test_bad_flags(module, flags, needle):
     one_error_line(run([sys.executable, "-m", module, *flags]), needle)

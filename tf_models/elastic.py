@@ -19,7 +19,6 @@ import tensorflow as tf
 from horovod.common.exceptions import HorovodInternalError
 
 from launch import checkpoint, elastic, mnist
-from launch.errors import UserError
 from launch.report import Reporter, Summary
 from launch.runtime import before_init, controller
 from launch.sharding import eval_indices
@@ -29,22 +28,15 @@ from tf_models.train import configure_devices, load_checkpoint, make_evaluator, 
 
 
 def train_elastic(args: argparse.Namespace) -> Summary:
-    if args.amp:
-        raise UserError("--amp is not supported with --elastic yet; drop one of the two flags")
     before_init(args.stall_timeout)
     hvd.init()
     configure_devices(hvd.local_rank(), hvd.local_size())
     if args.checkpoint_dir and hvd.rank() == 0:
         checkpoint.ensure_writable(args.checkpoint_dir)
-    # Every worker reads the files itself: a broadcast here would be a collective outside the
-    # elastic loop, which a worker joining mid-run would never be matched with.
-    data = mnist.load(args.data_dir)
-    n_train = args.train_samples or len(data.train_labels)
-    n_test = min(args.test_samples or len(data.test_labels), len(data.test_labels))
-    train_x = mnist.normalize(data.train_images[:n_train])[..., np.newaxis]
-    train_y = data.train_labels[:n_train]
-    test_x = mnist.normalize(data.test_images[:n_test])[..., np.newaxis]
-    test_y = data.test_labels[:n_test]
+    train_images, train_y, test_images, test_y = elastic.local_data(args)
+    n_train, n_test = len(train_y), len(test_y)
+    train_x = mnist.normalize(train_images)[..., np.newaxis]
+    test_x = mnist.normalize(test_images)[..., np.newaxis]
 
     keras.utils.set_random_seed(args.seed + hvd.rank())  # rank 0's weights win at the first sync
     net = build_model(args.dropout, None)

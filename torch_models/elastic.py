@@ -18,8 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from launch import checkpoint, elastic, mnist
-from launch.errors import UserError
+from launch import checkpoint, elastic
 from launch.report import Reporter, Summary
 from launch.runtime import before_init, controller, threads_per_rank
 from launch.sharding import eval_indices
@@ -28,23 +27,18 @@ from torch_models.train import evaluate, load_checkpoint, save_checkpoint, to_te
 
 
 def train_elastic(args: argparse.Namespace) -> Summary:
-    if args.amp:
-        raise UserError("--amp is not supported with --elastic yet; drop one of the two flags")
     before_init(args.stall_timeout)
     hvd.init()
     if args.checkpoint_dir and hvd.rank() == 0:
         checkpoint.ensure_writable(args.checkpoint_dir)
-    # Every worker reads the files itself: a broadcast here would be a collective outside the
-    # elastic loop, which a worker joining mid-run would never be matched with.
-    data = mnist.load(args.data_dir)
-    n_train = args.train_samples or len(data.train_labels)
-    n_test = min(args.test_samples or len(data.test_labels), len(data.test_labels))
+    train_images, train_labels, test_images, test_labels = elastic.local_data(args)
+    n_train, n_test = len(train_labels), len(test_labels)
     device = torch.device("cpu")
     if torch.cuda.is_available():  # the GPU is picked once: a process keeps its device for life
         torch.cuda.set_device(hvd.local_rank())
         device = torch.device("cuda")
-    train_x, train_y = to_tensors(data.train_images[:n_train], data.train_labels[:n_train], device)
-    test_x, test_y = to_tensors(data.test_images[:n_test], data.test_labels[:n_test], device)
+    train_x, train_y = to_tensors(train_images, train_labels, device)
+    test_x, test_y = to_tensors(test_images, test_labels, device)
 
     torch.manual_seed(args.seed + hvd.rank())  # rank 0's weights win at the first sync
     model = MnistCNN(dropout=args.dropout).to(device)
