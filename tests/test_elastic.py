@@ -128,7 +128,8 @@ def test_elastic_grows_when_a_host_is_added(module, tmp_path):
     summary = job.finish()
     assert world_sizes(summary) == [1, 2]
     joined = summary["elastic_resizes"][1]
-    assert 0 < joined["epoch"] * 8192 + joined["consumed"], "joined at a commit, mid-run"
+    assert (joined["epoch"] - 1) * 8192 + joined["consumed"] > 0, "joined mid-run, at a commit"
+    assert joined["consumed"] % (4 * 32) == 0, "a commit comes every 4 steps of 32 on one worker"
     base = summary["base_lr"]
     assert [r["target_lr"] for r in summary["elastic_resizes"]] == pytest.approx([base, 2 * base])
     assert summary["world_size"] == 2 and len(summary["param_checksums"]) == 2
@@ -166,3 +167,48 @@ def test_elastic_survives_a_killed_worker(module, victim_rank, tmp_path):
     assert summary["elastic_resizes"][1]["target_lr"] == pytest.approx(summary["base_lr"])
     check_trained(summary, 3)
     assert not job.workers("127.0.0.1") and not job.workers("localhost")
+
+
+# What rank 0 of a TF elastic job saw when its peer was SIGKILLed mid-allreduce (1 run in ~6 here):
+# no Horovod op name, so Horovod's own TF elastic wrapper returned None and the job "succeeded".
+GLOO_PEER_DIED = """Graph execution error:
+
+Detected at node DistributedGradients defined at (most recent call last):
+  File "/work/main/tf_models/horovod_keras.py", line 169, in allreduce_gradients
+  File ".../site-packages/horovod/tensorflow/mpi_ops.py", line 176, in _grouped_allreduce
+  File "<string>", line 263, in horovod_grouped_allreduce
+
+[.../third_party/compatible17_gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer
+\t [[{{node DistributedGradients}}]] [Op:__inference_train_step_568]"""
+
+TELL_APART = """
+import sys
+import horovod.tensorflow as hvd, keras, tensorflow as tf
+from horovod.common.exceptions import HorovodInternalError
+from tf_models.horovod_keras import DistributedModel, peer_failures_roll_back
+from tf_models.model import build_model
+hvd.init()
+model = DistributedModel(build_model(0.0, None))
+model.compile(optimizer=keras.optimizers.SGD(0.01))
+step = tf.function(model.train_step, jit_compile=False)
+try:  # a model error (a label out of range) inside the real train step
+    with peer_failures_roll_back():
+        step((tf.zeros((4, 28, 28, 1)), tf.constant([0, 1, 2, 12])))
+except tf.errors.InvalidArgumentError:
+    print("model error passed through")
+try:
+    with peer_failures_roll_back():
+        raise tf.errors.UnknownError(None, None, sys.stdin.read())
+except HorovodInternalError:
+    print("peer failure rolls back")
+"""
+
+
+def test_tf_peer_failure_rolls_back_but_a_model_error_ends_the_job():
+    """The TF glue must tell a collective whose peer died (roll back, re-form the world) from the
+    model's own error (no rollback cures it: re-raise, the job fails)."""
+    proc = subprocess.run([sys.executable, "-c", TELL_APART], input=GLOO_PEER_DIED, text=True,
+                          capture_output=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["model error passed through", "peer failure rolls back"]

@@ -16,13 +16,18 @@ import horovod.tensorflow as hvd
 import keras
 import numpy as np
 import tensorflow as tf
-from horovod.common.exceptions import HorovodInternalError
+from horovod.common.elastic import run_fn
 
 from launch import checkpoint, elastic, mnist
 from launch.report import Reporter, Summary
 from launch.runtime import before_init, controller
 from launch.sharding import eval_indices
-from tf_models.horovod_keras import DistributedModel, ElasticKerasState, allreduce_sums
+from tf_models.horovod_keras import (
+    DistributedModel,
+    ElasticKerasState,
+    allreduce_sums,
+    peer_failures_roll_back,
+)
 from tf_models.model import build_model
 from tf_models.train import configure_devices, load_checkpoint, make_evaluator, save_checkpoint
 
@@ -54,16 +59,9 @@ def train_elastic(args: argparse.Namespace) -> Summary:
     state = ElasticKerasState(net, optimizer, **elastic.initial_state(start_epoch))
     evaluate = make_evaluator(net)
 
-    @hvd.elastic.run
     def run(state) -> Summary:
-        try:
+        with peer_failures_roll_back():
             return one_world(state)
-        except tf.errors.OpError as err:
-            # A peer died mid-collective.  Horovod's TF wrapper recognises only some op names
-            # (not HorovodGroupedAllreduce) and silently returns None for the rest.
-            if "Horovod" not in str(err):
-                raise
-            raise HorovodInternalError(err) from err
 
     def one_world(state) -> Summary:
         rank, size = hvd.rank(), hvd.size()
@@ -95,4 +93,12 @@ def train_elastic(args: argparse.Namespace) -> Summary:
                              params=[w.numpy() for w in net.weights],
                              allgather_object=hvd.allgather_object, metrics_out=args.metrics_out)
 
-    return run(state)
+    # Not ``hvd.elastic.run``: Horovod's TF wrapper swallows op errors it does not recognise (see
+    # peer_failures_roll_back); run_fn is the loop it wraps, minus that.
+    return run_fn(run, reset)(state)
+
+
+def reset() -> None:
+    """Re-join the job after a membership change: the driver hands out new ranks at init."""
+    hvd.shutdown()
+    hvd.init()

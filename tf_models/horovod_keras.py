@@ -39,19 +39,23 @@ on the position of the variable, never on the rank: that is what Horovod matches
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import horovod.tensorflow as hvd
 import keras
 import numpy as np
 import tensorflow as tf
 from horovod.common.elastic import ObjectState
+from horovod.common.exceptions import HorovodInternalError
 
 from launch.lr import DECAY_RULES, lr_at
 
 __all__ = [
     "BroadcastInitialState", "DistributedModel", "ElasticKerasState", "MetricAverage", "WarmupSchedule",
     "allreduce_gradients", "allreduce_sums", "broadcast_initial_state", "broadcast_variables",
+    "peer_failure", "peer_failures_roll_back",
 ]
 
 
@@ -103,6 +107,35 @@ class BroadcastInitialState(keras.callbacks.Callback):
             self.done = True
 
 
+# Case matters: a model's own error also quotes where its node was defined, and those paths
+# include ``horovod/common/elastic.py`` and ``tf_models/horovod_keras.py``.
+PEER_FAILURE = re.compile(r"Horovod|horovod_\w*(allreduce|allgather|broadcast|alltoall)|gloo")
+
+
+def peer_failure(err: tf.errors.OpError) -> bool:
+    """Whether a TF op error comes from a Horovod collective (the world must be re-formed) rather
+    than from the model (no rollback would cure it; the job must end)."""
+    return PEER_FAILURE.search(str(err)) is not None
+
+
+@contextlib.contextmanager
+def peer_failures_roll_back() -> Iterator[None]:
+    """Turn a collective's failure into ``HorovodInternalError``, the signal for
+    ``horovod.common.elastic.run_fn`` to roll back to the last commit and re-form the world.
+
+    Horovod's TF ops fail with a plain ``tf.errors.UnknownError``, and ``hvd.elastic.run`` (TF)
+    converts only those that name an op it knows, returning None for the rest: a grouped
+    allreduce whose peer died reports only Gloo's "Connection closed by peer", and the job then
+    ended "successfully" after one epoch.  Model errors pass through unchanged.
+    """
+    try:
+        yield
+    except tf.errors.OpError as err:
+        if not peer_failure(err):
+            raise
+        raise HorovodInternalError(err) from err
+
+
 class ElasticKerasState(ObjectState):
     """``hvd.elastic`` state for a Keras 3 model and optimizer, plus plain Python attributes.
 
@@ -129,7 +162,8 @@ class ElasticKerasState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
-        broadcast_variables(self._tracked, root_rank=0, prefix="elastic")
+        with peer_failures_roll_back():  # a sync runs outside the training function's own guard
+            broadcast_variables(self._tracked, root_rank=0, prefix="elastic")
         self._saved_values = [np.array(v.numpy()) for v in self._tracked]
         super().sync()
 
