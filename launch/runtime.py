@@ -16,8 +16,13 @@ def threads_per_rank(local_size: int) -> int:
     """Intra-op threads for one rank: the host's cores split among its ranks.
 
     Without this every rank starts one thread per core, and -np 4 on 2 cores runs 8 busy threads
-    on 2 cores: the ranks spend their time preempting each other instead of computing.
+    on 2 cores: the ranks spend their time preempting each other instead of computing.  A set
+    ``OMP_NUM_THREADS`` wins (a batch system's cpus-per-task, or ranks that share cores with
+    ranks Horovod counts as another host's).
     """
+    requested = os.environ.get("OMP_NUM_THREADS", "")
+    if requested.isdigit() and int(requested) > 0:
+        return int(requested)
     return max(1, available_cores() // max(1, local_size))
 
 

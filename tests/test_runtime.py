@@ -28,3 +28,14 @@ def test_users_mpi_setting_wins(monkeypatch):
     env = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_MCA_mpi_yield_when_idle": "0"}
     runtime.configure_mpi_progress(env)
     assert env["OMPI_MCA_mpi_yield_when_idle"] == "0"
+
+
+def test_threads_split_the_hosts_cores_unless_omp_num_threads_says(monkeypatch):
+    monkeypatch.setattr(runtime, "available_cores", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [runtime.threads_per_rank(n) for n in (1, 2, 4, 16)] == [8, 4, 2, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert runtime.threads_per_rank(4) == 3
+    for unusable in ("0", "two", ""):
+        monkeypatch.setenv("OMP_NUM_THREADS", unusable)
+        assert runtime.threads_per_rank(4) == 2

@@ -343,7 +343,7 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
     The step is the optimizer's own ``iterations`` counter, so a checkpoint of the optimizer
     variables carries the position in the schedule and a resumed run continues where it stopped.
     Called with a Python number it returns ``lr_at`` itself; in a graph it computes the same
-    function with TensorFlow ops (float32).  ``get_config`` makes the optimizer serialisable
+    function with TensorFlow ops (float64, then float32).  ``get_config`` makes the optimizer serialisable
     (``optimizer.get_config`` / ``from_config``).
     """
 
@@ -363,18 +363,21 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         if isinstance(step, int | float | np.integer | np.floating):
             return lr_at(float(step) / self.steps_per_epoch, self.base_lr, self.target_lr,
                          self.warmup_epochs, self.total_epochs, self.decay)
-        progress = tf.cast(tf.convert_to_tensor(step), tf.float32) / self.steps_per_epoch
+        # float64, rounded once at the end: the float32 value of lr_at itself, bit for bit (a
+        # float32 computation was 1 ulp off at half the steps, and training amplified it).
+        progress = tf.cast(tf.convert_to_tensor(step), tf.float64) / self.steps_per_epoch
         warmup = self.warmup_epochs
-        after = tf.constant(self.target_lr, tf.float32)
+        after = tf.constant(self.target_lr, tf.float64)
         if (self.decay == "cosine" and self.total_epochs is not None
                 and self.total_epochs > warmup):
             start = max(warmup, 0.0)
-            done = tf.minimum(1.0, (progress - start) / (self.total_epochs - start))
+            done = tf.minimum(tf.constant(1.0, tf.float64),
+                              (progress - start) / (self.total_epochs - start))
             after = self.target_lr * 0.5 * (1.0 + tf.cos(np.pi * done))
         if warmup <= 0:
-            return after
+            return tf.cast(after, tf.float32)
         warming = self.base_lr + (self.target_lr - self.base_lr) * (progress / warmup)
-        return tf.where(progress < warmup, warming, after)
+        return tf.cast(tf.where(progress < warmup, warming, after), tf.float32)
 
     def get_config(self) -> dict:
         return {"base_lr": self.base_lr, "target_lr": self.target_lr,
