@@ -20,7 +20,7 @@ from pathlib import Path
 from bench import accuracy, collectives, config, machine, profiling, report, throughput, util
 from bench.jobs import Profiling, Run, execute
 
-PARTS = ("throughput", "collectives", "accuracy")
+PARTS = report.PARTS
 ALIASES = {"scaling": "throughput", "peers": "throughput", "horovod-cost": "throughput",
            "time-to-accuracy": "accuracy"}
 RUN_NAME = re.compile(r"^(torch|tf)/(trainer|loop)/(none|horovod|horovod-gloo|ddp|mwms)/"
@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             data = accuracy.run_part(cfg, out, frameworks)
         data["quick"] = cfg.quick
         data["started"] = started
+        data["machine"] = util.read_json(out / "machine.json")  # the limits its numbers meet
         util.write_json(out / f"{part}.json", data)
 
     results = merge(out, {"quick": cfg.quick, "started": started, "command": command,

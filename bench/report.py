@@ -24,6 +24,15 @@ def _rel(target: Path, base: Path) -> str:
         return str(target)
 
 
+PARTS = ("throughput", "collectives", "accuracy")
+
+
+def part_machine(res: dict, part: str) -> dict:
+    """The machine as measured with ``part`` (parts can be re-run alone, hours apart); results
+    from before parts kept their own fall back to the latest description."""
+    return res.get(part, {}).get("machine") or res["machine"]
+
+
 def header(res: dict) -> list[str]:
     m, meta = res["machine"], res["meta"]
     v = m.get("versions", {})
@@ -37,6 +46,7 @@ def header(res: dict) -> list[str]:
                   "-np 1 and 2 only, small messages, and a time-to-accuracy *proxy*. They show that "
                   "the suite works, not how fast anything is. Run `make bench` for real numbers.", ""]
     load = m.get("load_average_at_start")
+    unrecorded = [part for part in PARTS if part in res and "machine" not in res[part]]
     lines += ["## Machine", "",
               table(["", ""], [
                   ["CPU", f"{m['cpu_model']}, {m['cores']} cores usable ({m.get('logical_cpus')} logical)"],
@@ -47,9 +57,15 @@ def header(res: dict) -> list[str]:
                   ["versions", ", ".join(f"{k} {val}" for k, val in v.items())],
                   ["run", f"{meta.get('started', '?')}, {meta.get('duration_s', 0) / 60:.1f} min, "
                           f"`{meta.get('command', 'python -m bench')}`"],
+                  ["parts measured", ", ".join(f"{part} {res[part].get('started', '?')}"
+                                               for part in PARTS if part in res)],
                   ["load average at start", ", ".join(f"{a:.2f}" for a in load) if load else "n/a"],
               ]), "",
-              "Every comparison below ran both sides in this one invocation, back to back, with the "
+              "The machine rows are from the latest run. Each part is held against the memory "
+              "bandwidth measured in its own run" + (
+                  f"; {', '.join(unrecorded)} (measured before parts kept their machine record) "
+                  "against the latest" if unrecorded else "") + ". "
+              "Every comparison below ran both sides in the same invocation, back to back, with the "
               "same model (184,586 parameters), the same per-rank batch (64), SGD with momentum, and "
               "the same intra-op threads per rank (cores // ranks on the host).", ""]
     return lines
@@ -65,7 +81,7 @@ def limits(res: dict) -> list[str]:
         if per_core:
             rows.append([f"{FW[fw]} compute", f"{per_core:.0f} img/s on 1 core (no Horovod, 1 thread)",
                          f"{per_core * m['cores']:.0f} img/s with {m['cores']} cores"])
-    lim = memory_limit(m)
+    lim = memory_limit(part_machine(res, "collectives"))
     if lim:
         rows.append(["memory (collectives)", f"{gbs(lim)} GB/s copy bandwidth",
                      "a ring allreduce moves 2(N-1)/N x K bytes per rank through memory: bus "
@@ -191,7 +207,7 @@ def collectives(res: dict) -> list[str]:
     runs = coll.get("runs", [])
     if not runs:
         return []
-    lim = memory_limit(res["machine"])
+    lim = memory_limit(part_machine(res, "collectives"))
     lines = ["## 4. Allreduce: Horovod against mpi4py, torch.distributed and a parameter server", "",
              "float32 sum in place, median over repetitions of the slowest rank's time. *busbw* = "
              "2(N-1)/N x bytes / time for every implementation (nccl-tests' ring formula: the same "
