@@ -32,9 +32,9 @@ def launch_cmd(module: str, args: list[str], np: int = 2, how: str = "horovodrun
 
 
 def run(cmd: list[str], timeout: float = 300, env: dict | None = None,
-        cwd: Path | None = None) -> subprocess.CompletedProcess:
+        cwd: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=stdin,
                           env=full_env, cwd=cwd or REPO)
 
 

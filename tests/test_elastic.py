@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import BIN, REPO, requires_horovod, train
+from conftest import BIN, REPO, requires_horovod, run, train
 
 pytestmark = requires_horovod
 
@@ -231,8 +231,6 @@ except HorovodInternalError:
 def test_tf_peer_failure_rolls_back_but_a_model_error_ends_the_job():
     """The TF glue must tell a collective whose peer died (roll back, re-form the world) from the
     model's own error (no rollback cures it: re-raise, the job fails)."""
-    proc = subprocess.run([sys.executable, "-c", TELL_APART], input=GLOO_PEER_DIED, text=True,
-                          capture_output=True, timeout=120, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"})
+    proc = run([sys.executable, "-c", TELL_APART], timeout=120, stdin=GLOO_PEER_DIED)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:2] == ["model error passed through", "peer failure rolls back"]

@@ -55,7 +55,7 @@ from launch.lr import DECAY_RULES, lr_at
 __all__ = [
     "BroadcastInitialState", "DistributedModel", "ElasticKerasState", "MetricAverage", "WarmupSchedule",
     "allreduce_gradients", "allreduce_sums", "broadcast_initial_state", "broadcast_variables",
-    "peer_failure", "peer_failures_roll_back",
+    "peer_failures_roll_back",
 ]
 
 
@@ -112,12 +112,6 @@ class BroadcastInitialState(keras.callbacks.Callback):
 PEER_FAILURE = re.compile(r"Horovod|horovod_\w*(allreduce|allgather|broadcast|alltoall)|gloo")
 
 
-def peer_failure(err: tf.errors.OpError) -> bool:
-    """Whether a TF op error comes from a Horovod collective (the world must be re-formed) rather
-    than from the model (no rollback would cure it; the job must end)."""
-    return PEER_FAILURE.search(str(err)) is not None
-
-
 @contextlib.contextmanager
 def peer_failures_roll_back() -> Iterator[None]:
     """Turn a collective's failure into ``HorovodInternalError``, the signal for
@@ -131,7 +125,7 @@ def peer_failures_roll_back() -> Iterator[None]:
     try:
         yield
     except tf.errors.OpError as err:
-        if not peer_failure(err):
+        if PEER_FAILURE.search(str(err)) is None:  # the model's own error: no rollback cures it
             raise
         raise HorovodInternalError(err) from err
 
