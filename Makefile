@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 NP ?= 4
 ARGS ?=
 
-.PHONY: setup run run-tf test lint bench bench-quick
+.PHONY: setup run run-tf test lint bench bench-quick bench-cluster
 
 setup:
 	bash .ci/setup
@@ -33,3 +33,9 @@ bench: bench-deps
 
 bench-quick: bench-deps
 	$(PY) -m bench --quick $(ARGS)
+
+# The emulated cluster (4 network-namespace hosts on shaped links: collectives, bandwidth-bound
+# training, cost model, projection) and Horovod's small-message floor on one host: sections 6-7
+# of BENCHMARKS.md.  Needs root; about 40 min on 2 cores (ARGS=--quick: about 10).
+bench-cluster: bench-deps
+	$(PY) -m bench --only cluster,floor $(ARGS)

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench import tables  # noqa: E402
+from bench import plots_cluster, tables  # noqa: E402
 
 FW_NAMES = tables.FW_NAMES
 SERIES = [  # (kind, wrapper, data, label, style)
@@ -114,6 +114,7 @@ def render_all(results: dict, folder: Path) -> dict[str, str]:
         out = fn(results, folder / f"{name}.png")
         if out:
             made[name] = out.name
+    made.update(plots_cluster.render(results, folder, plt))
     return made
 
 
