@@ -39,12 +39,8 @@ def busbw(results: dict, path: Path, plt) -> Path | None:
             ax.axhline(rate / 1e6, color="k", ls=":", label=f"link rate {rate / 1e6:.0f} MB/s")
             ax.axhline(0.8 * rate / 1e6, color="grey", ls=":", lw=0.8, label="80% of link rate")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{cl['profiles'][profile]['label']}, {n} hosts x 1 rank", fontsize=10)
-        ax.set_xlabel("message size (bytes)")
-        ax.set_ylabel("busbw = 2(N-1)/N x bytes / time (MB/s)")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _finish(ax, "message size (bytes)", "busbw = 2(N-1)/N x bytes / time (MB/s)",
+                f"{cl['profiles'][profile]['label']}, {n} hosts x 1 rank")
     return _save(fig, results, path, plt)
 
 
@@ -70,13 +66,8 @@ def time_vs_hosts(results: dict, path: Path, plt) -> Path | None:
         ax.plot(dense, [costmodel.formula_seconds(kind, big, n, n, drate) for n in dense],
                 "k:" if kind == "ring" else "k--", lw=1, label=label)
     ax.set_xticks(ns)
-    ax.set_xlabel("hosts (one rank each)")
-    ax.set_ylabel(f"seconds per allreduce of {big >> 20} MiB")
-    ax.set_title(f"ring vs parameter server, {cl['profiles'][profile]['label']} "
-                 f"(B = {drate / 1e6:.0f} MB/s data)", fontsize=10)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _finish(ax, "hosts (one rank each)", f"seconds per allreduce of {big >> 20} MiB",
+            f"ring vs parameter server, {cl['profiles'][profile]['label']} (B = {drate / 1e6:.0f} MB/s data)")
     return _save(fig, results, path, plt)
 
 
@@ -103,13 +94,9 @@ def training(results: dict, path: Path, plt) -> Path | None:
                             label=f"{wrapper}, {cl['profiles'][profile]['label']}")
         ax.axhline(100, color="k", lw=0.6)
         ax.set_xticks(ns)
+        _finish(ax, "hosts (one rank each)", "exchange efficiency: alone / step (%)",
+                f"{rc.FW[fw]} {rc.MODEL_NAMES.get(model, model)}: what the gradient exchange costs")
         ax.set_ylim(0, 110)
-        ax.set_xlabel("hosts (one rank each)")
-        ax.set_ylabel("exchange efficiency: alone / step (%)")
-        ax.set_title(f"{rc.FW[fw]} {rc.MODEL_NAMES.get(model, model)}: what the gradient exchange costs",
-                     fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     return _save(fig, results, path, plt)
 
 
@@ -121,6 +108,15 @@ def render(results: dict, folder: Path, plt) -> dict[str, str]:
         if out:
             made[name] = out.name
     return made
+
+
+def _finish(ax, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def _save(fig, results: dict, path: Path, plt) -> Path:
