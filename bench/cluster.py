@@ -191,8 +191,8 @@ class TrainRun:
 class Cluster:
     """Launch lines and runs on the emulated hosts."""
 
-    def __init__(self, hosts, out: Path, timeout: float) -> None:
-        self.hosts, self.out, self.timeout = hosts, out, timeout
+    def __init__(self, nh, hosts, out: Path, timeout: float) -> None:
+        self.nh, self.hosts, self.out, self.timeout = nh, hosts, out, timeout
         self.profile = "unshaped"
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -226,6 +226,7 @@ class Cluster:
         env = dict(env or {})
         log = self.work(name) / "output.log"
         head = self.hosts.hosts[0]
+        self.nh.ensure_privsep_dir()  # another harness user may have removed it meanwhile
         try:
             if launcher == "direct":
                 port = str(util.free_port())
@@ -411,7 +412,7 @@ def run_part(cfg: ClusterConfig, out: Path) -> dict:
                                                     hostnames=True) as hosts:
         util.say(f"cluster: {MAX_HOSTS} hosts up ({', '.join(h.netns for h in hosts.hosts)}, "
                  f"bridge in {hosts.switch})")
-        cl = Cluster(hosts, out, cfg.timeout_s)
+        cl = Cluster(nh, hosts, out, cfg.timeout_s)
         for profile in ["unshaped", *cfg.profiles]:
             prof = PROFILES[profile]
             applied = None

@@ -309,6 +309,19 @@ def netem_missing() -> str | None:
     return reason
 
 
+PRIVSEP_DIR = Path("/run/sshd")
+
+
+def ensure_privsep_dir() -> None:
+    """sshd needs its privilege-separation folder at start *and at every connection* (systemd
+    makes it at boot, containers don't).  It is made if missing and never removed: an empty
+    /run/sshd looked like ours to remove, and removing it while another set of hosts (a parallel
+    test, a benchmark) still ran made every later ssh to them fail with "kex_exchange_identification:
+    Connection closed by remote host".  Long runs call this again before each job, in case
+    someone else removed it meanwhile."""
+    PRIVSEP_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
+
+
 def _write(path: Path, text: str, mode: int = 0o644) -> None:
     path.write_text(text)
     path.chmod(mode)
@@ -452,7 +465,6 @@ def make_hosts(names: Sequence[str], *, prefix: str = PREFIX, subnet: str = "10.
     made = [Host(name, f"{prefix}{role}-{pid}", f"{subnet}.{i}")
             for i, (name, role) in enumerate(zip(names, roles, strict=True), 1)]
     workdir = Path(tempfile.mkdtemp(prefix=f"{prefix}hosts-"))
-    made_run_sshd = False
     made_netns_etc = not NETNS_ETC.exists()
     cls = TwoHosts if topology == "pair" else Hosts
     hosts = cls(tuple(made), workdir, workdir / "id_ed25519", workdir / "ssh_config", workdir / "bin",
@@ -477,10 +489,7 @@ def make_hosts(names: Sequence[str], *, prefix: str = PREFIX, subnet: str = "10.
         ssh = shutil.which("ssh")
         _write(hosts.bin_dir / "ssh", f'#!/bin/sh\nexec {ssh} -F {hosts.ssh_config} "$@"\n', 0o755)
 
-        # sshd insists on its privilege-separation folder (systemd makes it at boot, containers don't).
-        if not Path("/run/sshd").is_dir():
-            Path("/run/sshd").mkdir(mode=0o755, parents=True)
-            made_run_sshd = True
+        ensure_privsep_dir()
         for h in made:
             _start_sshd(hosts, h)
         _wait_for_ssh(hosts)
@@ -495,10 +504,9 @@ def make_hosts(names: Sequence[str], *, prefix: str = PREFIX, subnet: str = "10.
             _delete_netns(ns)
         for ns in namespaces:
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
-        for made_it, folder in ((made_run_sshd, Path("/run/sshd")), (made_netns_etc, NETNS_ETC)):
-            if made_it:
-                with contextlib.suppress(OSError):
-                    folder.rmdir()  # only if empty: someone else may have started using it
+        if made_netns_etc:
+            with contextlib.suppress(OSError):
+                NETNS_ETC.rmdir()  # only if empty: someone else may have started using it
         shutil.rmtree(workdir, ignore_errors=True)
 
 
