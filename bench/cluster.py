@@ -115,7 +115,7 @@ class ClusterConfig:
     coll_budget_s: float = 3.0
     hier_hosts: list[int] = field(default_factory=lambda: [2])  # 2 ranks each, on the 1g profile
     train_hosts: dict[str, list[int]] = field(default_factory=lambda: {
-        "unshaped": [1, 2, 3, 4], "1g": [2, 3, 4], "10g": [2, 4]})
+        "unshaped": [1, 2, 3, 4], "1g": [2, 3, 4], "10g": [2, 3, 4]})
     train_warmup: int = 3
     train_steps: int = 8
     torch_model: str = "resnet18"
