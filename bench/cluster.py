@@ -337,7 +337,7 @@ def enrich(row: dict, formula: str, ranks: int, hosts: int, profile: Profile) ->
     """Add the link accounting to one size's row: busiest link (counted) against the formula,
     and the time against the formula at the profile's rate."""
     k, t = row["bytes"], row["seconds"]
-    link = costmodel.busiest_link(row["link_bytes_per_rank"])
+    link = costmodel.busiest_link(row.pop("link_bytes_per_rank"))  # per rank; kept per host below
     row.update(hosts_seen=link["hosts_seen"], busiest_link_bytes=link["busiest_bytes"],
                per_host_link_bytes=link["per_host"],
                formula_link_bytes=costmodel.formula_link_bytes(formula, k, ranks, hosts),

@@ -143,6 +143,14 @@ def predicted_step(compute_s: float, allreduce_s: float, overlap: float = 0.0) -
     return compute_s + (1 - overlap) * allreduce_s
 
 
+def implied_overlap(compute_s: float, comm_s: float, efficiency: float) -> float:
+    """The share of the communication that must have been hidden behind compute for a step of
+    ``compute_s`` + exposed communication to reach ``efficiency`` (inverse of
+    :func:`predicted_step`)."""
+    exposed = compute_s / efficiency - compute_s
+    return 1 - exposed / comm_s if comm_s > 0 else 1.0
+
+
 def projected_efficiency(compute_s: float, grad_bytes: float, workers: int, gpus_per_server: int,
                          link_bits_per_s: float, alpha: float, c: float, fusion_bytes: float,
                          payload_fraction: float = TCP_PAYLOAD_FRACTION, overlap: float = 0.0) -> dict:

@@ -80,15 +80,28 @@ def header(res: dict) -> list[str]:
                   ["parts measured", ", ".join(f"{part} {res[part].get('started', '?')}"
                                                for part in PARTS if part in res)],
                   ["load average at start", ", ".join(f"{a:.2f}" for a in load) if load else "n/a"],
+                  *cpu_by_part(res),
               ]), "",
               "The machine rows are from the latest run. Each part is held against the memory "
               "bandwidth measured in its own run" + (
                   f"; {', '.join(unrecorded)} (measured before parts kept their machine record) "
-                  "against the latest" if unrecorded else "") + ". "
+                  "against the latest" if unrecorded else "") + "".join(
+                  f"; {part}: {res[part]['machine_note']}" for part in PARTS
+                  if part in res and res[part].get("machine_note")) + ". "
               "Every comparison in sections 1-5 ran both sides in the same invocation, back to back, "
               "with the same model (184,586 parameters), the same per-rank batch (64), SGD with "
               "momentum, and the same intra-op threads per rank (cores // ranks on the host).", ""]
     return lines
+
+
+def cpu_by_part(res: dict) -> list[list[str]]:
+    """A row naming each part's CPU, where parts were measured on different machines (the cloud
+    hands out a different one from session to session)."""
+    cpus = {part: res[part]["machine"].get("cpu_model", "?") if res[part].get("machine") else "not recorded"
+            for part in PARTS if part in res}
+    if len(set(cpus.values()) - {"not recorded"}) < 2:
+        return []
+    return [["CPU by part", "; ".join(f"{part}: {cpu}" for part, cpu in cpus.items())]]
 
 
 def limits(res: dict) -> list[str]:

@@ -243,6 +243,12 @@ def test_training_step_prediction_and_projection():
     assert r["latency_s"] == pytest.approx(2 * (1e-3 + 254 * 50e-6))
 
 
+def test_implied_overlap_inverts_the_step_model():
+    step = costmodel.predicted_step(0.5, 0.2, overlap=0.4)
+    assert costmodel.implied_overlap(0.5, 0.2, 0.5 / step) == pytest.approx(0.4)
+    assert costmodel.implied_overlap(0.5, 0.2, 0.5 / 0.7) == pytest.approx(0.0)
+
+
 def test_projection_compute_times_from_the_cited_numbers():
     assert 1 / projection.seconds_per_image("vgg16") == pytest.approx(154.0)
     # ResNet-101 between ResNet-50 (219/s) and ResNet-152 (91.8/s), by FLOPs (7.6 of 3.8..11.3)
@@ -348,6 +354,7 @@ def test_cluster_report_renders_the_checks():
     assert "| 4 | horovod | 1 Gbit/s + 0.2 ms | 2.20 | 55% | 64% | 16% |" in md
     assert "The cost model against the training runs" in md
     assert "### 6.4 Projection to hundreds of workers" in md and "paper, 512 GPUs" in md
+    assert "the paper's 90% inside that range" in md
     assert "NCCL or DDL" in md  # why --hierarchical-allreduce does nothing on CPU
 
 
