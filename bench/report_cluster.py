@@ -317,6 +317,11 @@ def training(res: dict, cl: dict, quick: bool) -> list[str]:
              "- *conventional* = 1 process / step = T(N) / (N x T(1)), for reference only: here it "
              "mostly measures core sharing.", "",
              f"![training]({plots}/cluster_training.png)", ""]
+    busy = [r["result"]["rank0_cores_busy"] for r in runs if r["result"].get("rank0_cores_busy")]
+    if busy:
+        lines += [f"How much CPU a rank got: rank 0's CPU time over wall time during the timed steps was "
+                  f"{min(busy):.2f} to {max(busy):.2f} of a core across these runs (one compute thread "
+                  "each; a rank that had its core to itself would show about 1).", ""]
     for fw in ("torch", "tf"):
         rec = train_rec(cl, fw)
         if rec is None:
