@@ -371,6 +371,8 @@ def plan_training(cfg: ClusterConfig, profile: str) -> list[TrainRun]:
                           flags=("--fusion-threshold-mb", "0")),
                  TrainRun("torch", "horovod", n, profile, variant="mpi-ring+cycle-10ms", env=ring,
                           flags=("--cycle-time-ms", "10")),
+                 TrainRun("torch", "horovod", n, profile, variant="mpi-ring+cycle-0.3ms", env=ring,
+                          flags=("--cycle-time-ms", "0.3")),
                  TrainRun("torch", "horovod", n // 2, profile, slots=2, variant="mpi-ring", env=ring),
                  TrainRun("torch", "horovod", n // 2, profile, slots=2, variant="mpi-ring+hierarchical",
                           env=ring, flags=("--hierarchical-allreduce",))]

@@ -393,7 +393,8 @@ def knobs(cl: dict, quick: bool) -> list[str]:
     return [f"**What Horovod's knobs buy ({cl['profiles'][profile]['label']}, {n} ranks, PyTorch)**", "",
             "`mpi-ring`: Open MPI's ring allreduce (as in 6.1). `fp16`: `hvd.Compression.fp16` (DDP: "
             "`fp16_compress_hook`). `fusion-0`: `--fusion-threshold-mb 0`, one allreduce per tensor. "
-            "`cycle-10ms`: `--cycle-time-ms 10` (default 1). `hierarchical`: "
+            "`cycle-10ms`, `cycle-0.3ms`: `--cycle-time-ms` (default 1; 0.3 is what section 7 found "
+            "best on one host). `hierarchical`: "
             "`--hierarchical-allreduce` at 2 ranks per host (a no-op without NCCL, see 6.1).", "",
             table(head, rows), ""]
 
