@@ -8,6 +8,8 @@ An event file is a sequence of TFRecords (length, CRC, payload, CRC; CRC-32C, ma
 payload an ``Event`` protocol buffer: the first carries the file version, the others a wall time,
 a step and a ``Summary`` of ``(tag, simple_value)`` scalars.  Those few protobuf fields are
 encoded by hand below (tensorflow/core/util/event.proto, tensorflow/core/framework/summary.proto).
+Read back by TensorFlow's reader in the tests; tensorboard 2.21.0's ``EventAccumulator`` (what the
+TensorBoard server loads with) lists the same scalars from a torch and a TF run's files.
 """
 
 from __future__ import annotations
