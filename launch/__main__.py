@@ -25,9 +25,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     framework = args.__dict__.pop("framework")
     cli.validate(args)
-    from launch.frameworks import import_trainer
+    from launch.job import main_with
 
-    return import_trainer(framework).main_with(args)
+    return main_with(framework, args)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-epoch(\d{4,})\.(\w+)$")
 
 
-def ensure_writable(directory: str | os.PathLike) -> Path:
+def ensure_writable(directory: str | os.PathLike, flag: str = "--checkpoint-dir") -> Path:
     """Create the folder and prove we can write into it, before training starts."""
     path = Path(directory)
     try:
@@ -29,8 +29,9 @@ def ensure_writable(directory: str | os.PathLike) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
-        raise UserError(f"checkpoint folder {path} is not writable ({err.strerror}); "
-                        f"choose another --checkpoint-dir") from None
+        what = "checkpoint folder" if flag == "--checkpoint-dir" else f"{flag} folder"
+        raise UserError(f"{what} {path} is not writable ({err.strerror}); choose another "
+                        f"{flag}") from None
     return path
 
 
@@ -54,6 +55,11 @@ def save(directory: str | os.PathLike, epoch: int, ext: str, payload: bytes) -> 
     return path
 
 
+def config_of(args) -> dict[str, Any]:
+    """The run's flags as a checkpoint records them (not those that only steer this session)."""
+    return {k: v for k, v in vars(args).items() if k not in ("resume", "no_progress")}
+
+
 def metadata(framework: str, model: str, param_count: int, epoch: int,
              config: dict[str, Any]) -> dict[str, Any]:
     return {"format_version": FORMAT_VERSION, "framework": framework, "model": model,
@@ -69,6 +75,10 @@ def check_metadata(meta: Any, path: Path, framework: str, model: str, param_coun
                         f"reads {FORMAT_VERSION}; start a fresh --checkpoint-dir")
     for key, want in (("framework", framework), ("model", model), ("param_count", param_count)):
         if meta.get(key) != want:
+            fix = "the matching trainer"
+            config = meta.get("config")
+            if key == "model" and isinstance(config, dict):  # the spec as the user typed it
+                fix = f"--model {config.get('model', 'cnn')}"
             raise UserError(f"{path} belongs to {key} {meta.get(key)!r}, not {want!r}; resume "
-                            f"with the matching trainer or use another --checkpoint-dir")
+                            f"with {fix} or use another --checkpoint-dir")
     return int(meta["epoch"])

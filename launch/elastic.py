@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from launch import dataset
 from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
-from launch.report import EpochRecord, Reporter
+from launch.report import EpochRecord
 from launch.sharding import remaining_shard
 
 LAUNCH_HINT = ("horovodrun -np 2 --min-np 1 --max-np 4 --host-discovery-script "
@@ -47,9 +48,7 @@ def local_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(train images, train labels, test images, test labels), uint8 images, read by this worker
     alone: a broadcast here would be a collective outside the elastic loop, which a worker
     joining mid-run would never be matched with.  Sharding happens later, per world."""
-    from launch import mnist
-
-    data = mnist.load(args.data_dir)
+    data = dataset.get().load(args.data_dir)
     n_train = args.train_samples or len(data.train_labels)
     n_test = min(args.test_samples or len(data.test_labels), len(data.test_labels))
     return (data.train_images[:n_train], data.train_labels[:n_train],
@@ -79,26 +78,27 @@ class Glue:
     rank: int
     size: int
     step: Callable[[np.ndarray, float], tuple[float, int]]  # (this rank's indices, lr) -> (loss sum, n)
-    sum_across_ranks: Callable[[list[float]], list[float]]  # a Sum allreduce (a collective)
-    evaluate: Callable[[], tuple[float, float]]  # exact global (test loss, test accuracy)
+    eval_sums: Callable[[], list[float]]  # this rank's test (loss sum, correct, count)
     save_checkpoint: Callable[[int], None]  # rank 0, after each epoch (a no-op without a folder)
 
 
-def run_epochs(state, args, n_train: int, glue: Glue, report: Reporter) -> tuple[float, float]:
+def run_epochs(state, args, n_train: int, glue: Glue, job) -> tuple[float, float]:
     """Train from ``state``'s position to the last epoch; return the final (test loss, accuracy).
 
     Called again after every membership change, with ``state`` restored to its last commit and
     synced from rank 0: everything that depends on the world size is derived here, from
-    ``glue.size``, never carried over.
+    ``glue.size``, never carried over.  ``job`` is this world's :class:`launch.job.Job`: steps,
+    sums, evaluation and the epoch's report go through it, as in a fixed-size run.
     """
     k, batch = args.backward_passes_per_step, args.batch_size
+    job.n_train = n_train
     target_lr = scaled_lr(args.base_lr, glue.size, args.lr_scaling)
     if not state.resizes or state.resizes[-1]["world_size"] != glue.size:
         state.resizes.append({"epoch": state.epoch, "consumed": state.consumed,
                               "world_size": glue.size, "target_lr": target_lr})
-        report.info(f"elastic: {glue.size} worker(s) from epoch {state.epoch}, sample "
-                    f"{state.consumed}/{n_train}: lr {args.base_lr:g} -> {target_lr:g}, "
-                    f"global batch {batch * glue.size * k}")
+        job.info(f"elastic: {glue.size} worker(s) from epoch {state.epoch}, sample "
+                 f"{state.consumed}/{n_train}: lr {args.base_lr:g} -> {target_lr:g}, "
+                 f"global batch {batch * glue.size * k}")
     result = None
     while state.epoch <= args.epochs:
         epoch = state.epoch
@@ -115,18 +115,18 @@ def run_epochs(state, args, n_train: int, glue: Glue, report: Reporter) -> tuple
             pending = [pending[0] + loss_sum, pending[1] + used]
             state.consumed += used * glue.size  # a strided prefix per rank is a prefix of the order
             state.epoch_steps += 1
-            report.step(epoch, args.epochs, state.epoch_steps, done_before + steps,
-                        loss_sum / max(used, 1))
+            job.step_done(epoch, state.epoch_steps, done_before + steps,
+                          loss=loss_sum / max(used, 1), lr=lr, consumed=state.consumed)
             if (step + 1) % args.commit_every == 0 and step + 1 < steps:
-                pending = _fold(state, pending, glue)
+                pending = _fold(state, pending, job)
                 state.commit()
-        _fold(state, pending, glue)
-        test_loss, test_acc = glue.evaluate()
+        _fold(state, pending, job)
+        test_loss, test_acc = job.evaluate(glue.eval_sums)
         seconds = time.time() - state.epoch_started
         rec = EpochRecord(epoch=epoch, train_loss=state.loss_sum[0] / max(state.loss_sum[1], 1),
                           test_loss=test_loss, test_accuracy=test_acc, lr=lr, seconds=seconds,
                           images_per_second=state.loss_sum[1] / seconds)
-        report.epoch(rec, args.epochs)
+        job.epoch_done(rec)
         if glue.rank == 0:
             glue.save_checkpoint(epoch)
         state.records.append(asdict(rec))
@@ -138,7 +138,7 @@ def run_epochs(state, args, n_train: int, glue: Glue, report: Reporter) -> tuple
         result = (test_loss, test_acc)
     if result is None:
         last = state.records[-1] if state.records else None
-        result = (last["test_loss"], last["test_accuracy"]) if last else glue.evaluate()
+        result = (last["test_loss"], last["test_accuracy"]) if last else job.evaluate(glue.eval_sums)
     return result
 
 
@@ -152,9 +152,9 @@ def summary_fields(state, args, glue: Glue) -> dict[str, Any]:
             "elastic_resizes": list(state.resizes)}
 
 
-def _fold(state, pending: list[float], glue: Glue) -> list[float]:
+def _fold(state, pending: list[float], job) -> list[float]:
     """Add every rank's loss since the last commit to the committed epoch total (a collective, so
     the epoch's train loss survives ranks that leave); return the emptied pending sums."""
-    total = glue.sum_across_ranks(pending)
+    total = job.sum(pending, "elastic_sums")
     state.loss_sum = [state.loss_sum[0] + total[0], state.loss_sum[1] + total[1]]
     return [0.0, 0.0]

@@ -12,12 +12,16 @@ from types import ModuleType
 
 from launch.errors import UserError
 
-TRAINERS = {"torch": "torch_models.train", "tf": "tf_models.train"}
+# framework -> (fixed-size trainer, elastic trainer); each module's ``train(args)`` runs a job.
+TRAINERS = {"torch": ("torch_models.train", "torch_models.elastic"),
+            "tf": ("tf_models.train", "tf_models.elastic")}
 _PACKAGES = {"torch": ("torch", "horovod.torch"), "tf": ("tensorflow", "horovod.tensorflow")}
 _INSTALL_HINT = "run 'make setup' (or bash .ci/setup) to install the pinned stack and build Horovod"
 
 
-def import_trainer(framework: str) -> ModuleType:
+def import_trainer(framework: str, elastic: bool = False) -> ModuleType:
+    """The framework's trainer module (its elastic one under ``elastic``), after checking that the
+    framework and Horovod's extension for it import."""
     if framework not in TRAINERS:
         raise UserError(f"unknown framework {framework!r}; choose one of {', '.join(TRAINERS)}")
     if framework == "tf":
@@ -32,4 +36,4 @@ def import_trainer(framework: str) -> ModuleType:
     except ImportError as err:
         raise UserError(f"{horovod_pkg} cannot be imported ({err}); Horovod was not built with "
                         f"{framework_pkg} support: {_INSTALL_HINT}") from None
-    return importlib.import_module(TRAINERS[framework])
+    return importlib.import_module(TRAINERS[framework][1 if elastic else 0])
