@@ -58,10 +58,13 @@ class ElasticJob:
         trainer = ["-m", module]
         if gate_until:
             trainer = [str(GATE), str(self.gate), gate_until, module]
+        # A re-formed world waits at Horovod's rendezvous for a newcomer, which is started only
+        # then and must first import its framework: 30 s (Gloo's default) once ran out here for a
+        # TF newcomer, under a load average of 25 on 2 cores.  A slow machine should only be slower.
         cmd = [str(BIN / "horovodrun"), "-np", str(np), "--min-np", "1", "--max-np", str(max_np),
                "--host-discovery-script", str(DISCOVER), "--network-interface", "lo",
-               sys.executable, *trainer, "--elastic", *JOB, *extra, "--epochs", str(epochs),
-               "--metrics-out", str(self.metrics_path)]
+               "--gloo-timeout-seconds", "180", sys.executable, *trainer, "--elastic", *JOB, *extra,
+               "--epochs", str(epochs), "--metrics-out", str(self.metrics_path)]
         # Horovod sees each "host" as having one worker, which would then take every core of the
         # machine: two workers, four busy threads on two cores, 5x slower.
         self.threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
