@@ -1,8 +1,13 @@
-"""Per-process facts every trainer needs right after ``hvd.init()``."""
+"""Per-process facts every trainer needs right before and after ``hvd.init()``."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
+import struct
+
+from launch.errors import UserError
 
 
 def available_cores() -> int:
@@ -73,7 +78,66 @@ def configure_mpi_progress(env: dict[str, str] | None = None) -> None:
         env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 
+def uses_gloo(env: dict[str, str]) -> bool:
+    """Whether ``hvd.init()`` will start Gloo: horovodrun --gloo and elastic jobs say so through
+    these variables, and a user may set them for mpirun or a single process."""
+    wanted = (env.get("HOROVOD_CONTROLLER", ""), env.get("HOROVOD_CPU_OPERATIONS", ""))
+    return "gloo" in (w.lower() for w in wanted)
+
+
+def interface_has_address(name: str) -> bool:
+    """``name`` is a network interface here with an IPv4 or IPv6 address (what Gloo binds to)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:  # SIOCGIFADDR: the interface's IPv4 address
+            fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            return True
+        except OSError:
+            pass
+    try:
+        with open("/proc/net/if_inet6") as fh:
+            return any(line.split()[-1] == name for line in fh if line.strip())
+    except OSError:
+        return False
+
+
+def check_gloo_address(env: dict[str, str] | None = None) -> None:
+    """Raise :class:`UserError` when Gloo could not find this host's address; call before
+    ``hvd.init()``.
+
+    Gloo binds to ``HOROVOD_GLOO_IFACE`` (horovodrun sets it) or, without it, to whatever this
+    host's own name resolves to.  On a host whose name does not resolve (common in containers and
+    on clusters) or with an interface that is not there, Horovod 0.28.1 crashed inside Gloo:
+    a segfault in ``gloo::transport::tcp::CreateDeviceAttr`` on Debian 13, an abort here.  The
+    patched build says it in one line; this says it before any framework or Horovod state exists.
+    """
+    env = os.environ if env is None else env
+    if not uses_gloo(env):
+        return
+    iface = env.get("HOROVOD_GLOO_IFACE", "")
+    if iface:
+        if not hasattr(socket, "if_nameindex") or not os.path.exists("/proc/net"):
+            return  # not Linux: let Gloo judge
+        names = sorted(name for _, name in socket.if_nameindex())
+        if iface not in names:
+            raise UserError(f"HOROVOD_GLOO_IFACE={iface}: there is no such network interface on "
+                            f"{socket.gethostname()} (it has: {', '.join(names)}); set it to one of "
+                            f"those, or pick one with horovodrun --network-interfaces")
+        if not interface_has_address(iface):
+            raise UserError(f"HOROVOD_GLOO_IFACE={iface}: that interface has no IP address on "
+                            f"{socket.gethostname()}; give it one or choose another interface")
+        return
+    host = socket.gethostname()
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as err:
+        raise UserError(f"this host's name '{host}' does not resolve ({getattr(err, 'strerror', err)}) "
+                        f"and Horovod's Gloo needs its address: add a line '127.0.1.1 {host}' (or its "
+                        f"real address) to /etc/hosts, or set HOROVOD_GLOO_IFACE to a network "
+                        f"interface ('ip -brief addr' lists them)") from None
+
+
 def before_init(stall_timeout: float) -> None:
     """Everything that must be in the environment before ``hvd.init()``."""
+    check_gloo_address()
     configure_stall_check(stall_timeout)
     configure_mpi_progress()
