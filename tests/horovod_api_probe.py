@@ -49,12 +49,15 @@ def tf_checks() -> dict:
     x_all = data.normal(size=(size, 32, 4)).astype("float32")  # rank r trains on x_all[r]
     y_all = data.normal(size=(size, 32, 1)).astype("float32")
 
-    def fit_data_parallel() -> dict:
+    def fit_data_parallel(loss_scale: bool = False) -> dict:
         """Different data per rank, same initial weights, no broadcast: only the gradient
         average keeps the ranks together.  Plain SGD over equal batches: the result must equal one
-        process training on both ranks' batches at once (batch 2 x 8)."""
+        process training on both ranks' batches at once (batch 2 x 8).  With ``loss_scale``, the
+        optimizer wrapped is a LossScaleOptimizer (power-of-two scales: exact)."""
         m = model(seed=1)
-        m.compile(loss="mse", optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+        sgd = keras.optimizers.SGD(0.1)
+        m.compile(loss="mse", optimizer=hvd.DistributedOptimizer(
+            keras.optimizers.LossScaleOptimizer(sgd) if loss_scale else sgd))
         m.fit(x_all[rank], y_all[rank], batch_size=8, epochs=2, shuffle=False, verbose=0)
         ref = model(seed=1)
         ref.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1))
@@ -69,6 +72,9 @@ def tf_checks() -> dict:
                 "moved": max(float(np.abs(a - b.numpy()).max())
                              for a, b in zip(weights, model(seed=1).weights, strict=True))}
 
+    def fit_loss_scale_optimizer() -> dict:
+        return fit_data_parallel(loss_scale=True)
+
     def apply_closed_forms() -> dict:
         """``apply_gradients`` on known per-rank gradients: Average, fp16 compression, Adasum,
         and backward_passes_per_step with and without average_aggregated_gradients (Keras 3
@@ -77,9 +83,11 @@ def tf_checks() -> dict:
         rows = gathered([g])
         out = {}
 
-        def run(steps: int, **kwargs) -> tuple[list, list]:
+        def run(steps: int, local: bool = False, **kwargs) -> tuple[list, list]:
             var = keras.Variable(np.zeros(3, np.float32))
             opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), **kwargs)
+            if local:
+                opt.register_local_var(var)
 
             @tf.function
             def step():
@@ -94,6 +102,8 @@ def tf_checks() -> dict:
 
         mean = rows.mean(axis=0)
         out["average"] = {"got": run(1)[0][0], "want": (-mean).tolist()}
+        # a local variable keeps this rank's gradient, divided by size (scale_local_gradients)
+        out["local"] = {"got": run(1, local=True)[0][0], "want": (-g / size).tolist()}
         half = rows.astype(np.float16).astype(np.float64).mean(axis=0)
         out["fp16"] = {"got": run(1, compression=hvd.Compression.fp16)[0][0], "want": (-half).tolist()}
         a, b = rows[0], rows[-1]
@@ -107,6 +117,24 @@ def tf_checks() -> dict:
             want = [(-(k // n) * update).tolist() for k in range(1, steps + 1)]
             out[f"bpps_average_{averaged}"] = {"got": values, "want": want,
                                                "iterations": iterations}
+        return out
+
+    def sparse_gradients() -> dict:
+        """An Embedding's gradient is sparse (IndexedSlices): allgathered, or made dense with
+        sparse_as_dense, also with backward_passes_per_step (Horovod's Keras-2-only
+        test_sparse_as_dense*); different data per rank, same start: ranks must stay identical."""
+        out = {}
+        ids = np.random.default_rng(rank).integers(0, 50, size=(16, 5))
+        target = np.random.default_rng(10 + rank).normal(size=(16, 5, 4)).astype("float32")
+        for name, kwargs in [("allgather", {}), ("as_dense", {"sparse_as_dense": True}),
+                             ("as_dense_bpps2", {"sparse_as_dense": True, "backward_passes_per_step": 2})]:
+            keras.utils.set_random_seed(7)
+            m = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(50, 4)])
+            m.compile(loss="mse", optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.5), **kwargs))
+            start = m.weights[0].numpy()
+            m.fit(ids, target, batch_size=8, epochs=2, shuffle=False, verbose=0)
+            out[name] = {"spread": spread([m.weights[0].numpy()]),
+                         "moved": float(np.abs(m.weights[0].numpy() - start).max())}
         return out
 
     def callbacks() -> dict:
@@ -223,8 +251,10 @@ def tf_checks() -> dict:
                 "moving_variance": float(np.abs(sync_bn.moving_variance.numpy()
                                                 - bn.moving_variance.numpy()).max())}
 
-    return run_all([fit_data_parallel, apply_closed_forms, callbacks, momentum_correction_refused,
-                    tapes, broadcast_variables, elastic_state, sync_batch_norm]), rank
+    return run_all([fit_data_parallel, fit_loss_scale_optimizer, apply_closed_forms, sparse_gradients,
+                    callbacks,
+                    momentum_correction_refused, tapes, broadcast_variables, elastic_state,
+                    sync_batch_norm]), rank
 
 
 def torch_checks() -> dict:

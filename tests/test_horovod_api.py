@@ -60,15 +60,25 @@ def test_fit_with_distributed_optimizer_averages_gradients(probe):
     assert r["moved"] > 1e-2  # training happened: the comparison above is not trivially true
 
 
+def test_fit_with_wrapped_loss_scale_optimizer(probe):
+    r = probe("tf", "fit_loss_scale_optimizer")
+    assert r["spread"] == 0.0 and r["vs_big_batch"] < 1e-5 and r["moved"] > 1e-2
+
+
 def test_apply_gradients_closed_forms(probe):
     r = probe("tf", "apply_closed_forms")
-    for case in ("average", "fp16", "adasum"):
+    for case in ("average", "local", "fp16", "adasum"):
         np.testing.assert_allclose(r[case]["got"], r[case]["want"], rtol=1e-6, err_msg=case)
     for averaged in (False, True):
         c = r[f"bpps_average_{averaged}"]
         # backward_passes_per_step=3 over 7 calls: updates after calls 3 and 6 only
         np.testing.assert_allclose(c["got"], c["want"], rtol=1e-6, err_msg=f"averaged={averaged}")
         assert c["iterations"] == list(range(1, 8))
+
+
+def test_sparse_gradients_averaged(probe):
+    for case, r in probe("tf", "sparse_gradients").items():
+        assert r["spread"] == 0.0 and r["moved"] > 1e-3, case
 
 
 def test_callbacks_broadcast_average_and_schedule(probe):
