@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from launch import watchdog
 from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
 from launch.report import EpochRecord, Reporter
@@ -111,6 +112,7 @@ def run_epochs(state, args, n_train: int, glue: Glue, report: Reporter) -> tuple
     ``glue.size``, never carried over.
     """
     k, batch = args.backward_passes_per_step, args.batch_size
+    watchdog.new_world(glue.rank, glue.size)  # the job re-formed: progress, with a new rank
     target_lr = scaled_lr(args.base_lr, glue.size, args.lr_scaling)
     if not state.resizes or state.resizes[-1]["world_size"] != glue.size:
         state.resizes.append({"epoch": state.epoch, "consumed": state.consumed,
@@ -135,6 +137,7 @@ def run_epochs(state, args, n_train: int, glue: Glue, report: Reporter) -> tuple
             pending = [pending[0] + loss_sum, pending[1] + used]
             state.consumed += used * glue.size  # a strided prefix per rank is a prefix of the order
             state.epoch_steps += 1
+            watchdog.progress()
             report.step(epoch, args.epochs, state.epoch_steps, done_before + steps,
                         loss_sum / max(used, 1))
             if (step + 1) % args.commit_every == 0 and step + 1 < steps:
@@ -142,6 +145,7 @@ def run_epochs(state, args, n_train: int, glue: Glue, report: Reporter) -> tuple
                 state.commit()
         _fold(state, pending, glue)
         test_loss, test_acc = glue.evaluate()
+        watchdog.progress()
         seconds = time.time() - state.epoch_started
         rec = EpochRecord(epoch=epoch, train_loss=state.loss_sum[0] / max(state.loss_sum[1], 1),
                           test_loss=test_loss, test_accuracy=test_acc, lr=lr, seconds=seconds,

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from horovod.common.elastic import run_fn
 
-from launch import checkpoint, elastic, mnist
+from launch import checkpoint, elastic, mnist, watchdog
 from launch.report import Reporter, Summary
 from launch.runtime import before_init, controller
 from launch.sharding import eval_indices
@@ -35,6 +35,7 @@ from tf_models.train import configure_devices, load_checkpoint, make_evaluator, 
 def train_elastic(args: argparse.Namespace) -> Summary:
     before_init(args.stall_timeout)
     hvd.init()
+    watchdog.start(args.stall_timeout, hvd, elastic=True)  # watchdog: a frozen worker is lost
     configure_devices(hvd.local_rank(), hvd.local_size())
     if args.checkpoint_dir and hvd.rank() == 0:
         checkpoint.ensure_writable(args.checkpoint_dir)

@@ -25,7 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from launch import checkpoint, cli, mnist
+from launch import checkpoint, cli, mnist, watchdog
 from launch.elastic import check_launcher
 from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
@@ -254,6 +254,7 @@ def train(args: argparse.Namespace) -> Summary:
     rank, size = hvd.rank(), hvd.size()
     use_gpu = configure_devices(hvd.local_rank(), hvd.local_size())
     cli.validate_world(args, size)
+    watchdog.start(args.stall_timeout, hvd)  # watchdog: a frozen or cut-off rank ends the job
     if args.amp and not use_gpu:
         raise UserError("--amp needs a CUDA GPU; drop the flag on CPU machines")
     report = Reporter(rank == 0, progress=not args.no_progress)
@@ -321,6 +322,7 @@ def train(args: argparse.Namespace) -> Summary:
         if report.progress:  # rank 0 on a terminal: Keras' bar, drawn before the epoch line
             callbacks.append(keras.callbacks.ProgbarLogger())
         callbacks.append(epoch_end)
+        callbacks.append(watchdog.keras_callback())  # watchdog: steps and epoch ends completed
         model.fit(train_dataset(train_images, train_labels, batches_left), epochs=args.epochs,
                   initial_epoch=start_epoch, steps_per_epoch=steps,
                   shuffle=False, verbose=1 if report.progress else 0, callbacks=callbacks)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from launch import checkpoint, elastic
+from launch import checkpoint, elastic, watchdog
 from launch.report import Reporter, Summary
 from launch.runtime import before_init, controller, threads_per_rank
 from launch.sharding import eval_indices
@@ -29,6 +29,7 @@ from torch_models.train import evaluate, load_checkpoint, save_checkpoint, to_te
 def train_elastic(args: argparse.Namespace) -> Summary:
     before_init(args.stall_timeout)
     hvd.init()
+    watchdog.start(args.stall_timeout, hvd, elastic=True)  # watchdog: a frozen worker is lost
     if args.checkpoint_dir and hvd.rank() == 0:
         checkpoint.ensure_writable(args.checkpoint_dir)
     train_images, train_labels, test_images, test_labels = elastic.local_data(args)

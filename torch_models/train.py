@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from launch import checkpoint, cli, mnist
+from launch import checkpoint, cli, mnist, watchdog
 from launch.elastic import check_launcher
 from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
@@ -90,6 +90,7 @@ def train(args: argparse.Namespace) -> Summary:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     cli.validate_world(args, size)
+    watchdog.start(args.stall_timeout, hvd)  # watchdog: a frozen or cut-off rank ends the job
     torch.set_num_threads(threads_per_rank(hvd.local_size()))
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -183,10 +184,12 @@ def train(args: argparse.Namespace) -> Summary:
                 scaler.update()
             else:
                 optimizer.step()
+            watchdog.progress()  # watchdog: a step completed
             report.step(epoch, args.epochs, step + 1, steps, loss.item())
         seconds = time.perf_counter() - t0
         loss_sum = hvd.allreduce(loss_sum, op=hvd.Sum, name="train_loss")
         test_loss, test_acc = evaluate(model, test_x, test_y, 1000)
+        watchdog.progress()  # watchdog: the epoch's collectives completed
         imgs = loss_sum[1].item()
         train_seconds += seconds
         images_seen += imgs
