@@ -176,7 +176,9 @@ class Watchdog:
             self.guard = subprocess.Popen(
                 [sys.executable, "-m", "launch.watchdog", "--guard", str(os.getpid()),
                  f"{limit:g}", local_host()],
-                stdin=subprocess.PIPE, close_fds=True)
+                # its own session: a launcher that kills the rank's process group must not take
+                # the guardian with it before it has seen the launcher end (see guard())
+                stdin=subprocess.PIPE, close_fds=True, start_new_session=True)
         except OSError:  # no guardian: the ranks' own clocks still end the job
             self.guard = None
 
@@ -242,10 +244,10 @@ class Watchdog:
                     except OSError:
                         pass
 
-    def feed_guardian(self) -> None:
+    def feed_guardian(self, what: str | None = None) -> None:
         if self.guard is not None and self.guard.stdin is not None:
             try:
-                self.guard.stdin.write(f"{self.rank}\n".encode())
+                self.guard.stdin.write(f"{what or self.rank}\n".encode())
                 self.guard.stdin.flush()
             except (OSError, ValueError):
                 self.guard = None
@@ -297,6 +299,7 @@ class Watchdog:
     def abort(self, line: str) -> None:
         _say(line)
         if self.controller == "mpi":
+            self.feed_guardian("abort")
             # MPI_Abort should end every rank through the launcher at once; if it cannot (its
             # launcher is out of reach), end this process anyway.
             threading.Timer(GRACE, os._exit, args=(STALL_EXIT_CODE,)).start()
@@ -423,30 +426,81 @@ def _proc_state(pid: int) -> str:
     return "?"
 
 
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "orted", "prterun", "prted")
+
+
+def _end_stuck_launcher(launcher: int | None) -> None:
+    """After its rank called MPI_Abort: if the MPI launcher (mpirun, or the host's orted) is still
+    there :data:`GRACE` seconds later, it is waiting for a host it cannot reach (measured: mpirun
+    waited for ever for the orted of a cut-off host), so interrupt it twice, as a user would
+    (Open MPI's second Ctrl-C forces it out), then kill it."""
+    if launcher is None or not _comm(launcher).startswith(MPI_LAUNCHERS):
+        return
+    deadline = _now() + GRACE
+    while _now() < deadline:
+        if not os.path.exists(f"/proc/{launcher}"):
+            return
+        time.sleep(0.5)
+    name = _comm(launcher)
+    sys.stderr.write(f"note: {name} (pid {launcher}) was still running {GRACE:.0f} s after "
+                     f"MPI_Abort (a host it must reach is cut off?); interrupting it\n")
+    sys.stderr.flush()
+    for sig, wait in ((signal.SIGINT, 1.0), (signal.SIGINT, 5.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.kill(launcher, sig)
+        except ProcessLookupError:
+            return
+        end = _now() + wait
+        while _now() < end and os.path.exists(f"/proc/{launcher}"):
+            time.sleep(0.2)
+
+
 def guard(pid: int, limit: float, host: str) -> int:
-    """Watch rank process ``pid`` through its feed on stdin; SIGKILL it when the feed has been
-    quiet for ``limit`` seconds (the whole process is frozen); exit when the feed ends."""
+    """Watch rank process ``pid`` through its feed on stdin: SIGKILL it when the feed has been
+    quiet for ``limit`` seconds (the whole process is frozen); when the feed ends (the rank is
+    gone) after an ``abort`` line, see that the MPI launcher ends too; else exit."""
     import selectors
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the rank; we end with its feed
-    rank, last = "?", _now()
+    launcher = _parent_of(pid)
+    rank, last, aborting = "?", _now(), False
     sel = selectors.DefaultSelector()
     sel.register(sys.stdin.buffer, selectors.EVENT_READ)
     buf = b""
     while True:
         if sel.select(timeout=1.0):
             chunk = os.read(sys.stdin.fileno(), 4096)
-            if not chunk:
-                return 0  # the rank ended
+            if not chunk:  # the rank ended
+                if aborting:
+                    _end_stuck_launcher(launcher)
+                return 0
             buf = (buf + chunk)[-64:]
-            lines = buf.split(b"\n")
-            if len(lines) > 1 and lines[-2].strip():
-                rank = lines[-2].decode(errors="replace").strip()
+            lines = [ln.decode(errors="replace").strip() for ln in buf.split(b"\n")[:-1]]
+            aborting = aborting or "abort" in lines
+            if lines and lines[-1].isdigit():
+                rank = lines[-1]
             last = _now()
-        if os.getppid() != pid and not os.path.exists(f"/proc/{pid}"):
+        if not os.path.exists(f"/proc/{pid}"):
+            if aborting:
+                _end_stuck_launcher(launcher)
             return 0
         quiet = _now() - last
-        if quiet > limit:
+        if quiet > limit and not aborting:
             state = _proc_state(pid)
             why = {"T": "stopped (SIGSTOP?)", "t": "stopped by a debugger",
                    "D": "stuck in the kernel (disk, NFS?)"}.get(state[:1], f"not running ({state})")

@@ -246,3 +246,150 @@ def test_frozen_worker_is_lost_and_the_elastic_job_recovers(framework, tier, tmp
     assert [ln for ln in error_lines(job.output()) if "is frozen" in ln and "rank 1 " in ln], \
         job.output()[-3000:]
     assert not victim[0].is_running() or victim[0].status() == psutil.STATUS_ZOMBIE
+
+
+# --- 2. a network partition, 3. a lossy, slow link: two network-namespace hosts ------------------
+
+@pytest.fixture(scope="module")
+def hosts():
+    import netns_hosts
+
+    try:
+        with netns_hosts.two_hosts() as made:
+            yield made
+    except netns_hosts.Unavailable as err:
+        pytest.skip(f"cannot make two hosts with their own addresses and sshd here: {err}")
+
+
+def cross_host_job(hosts, controller: str, module: str, args: list[str], marker: str) -> Job:
+    """``horovodrun -np 2 -H rt-hosta:1,rt-hostb:1`` started on host A, as tests/test_multihost.py
+    does (--disable-cache: the ssh checks of an earlier, gone pair of hosts must not count)."""
+    a, b = hosts.hosts
+    cmd = [str(BIN / "horovodrun"), f"--{controller}", "-np", "2", "-H", f"{a.name}:1,{b.name}:1",
+           "--ssh-identity-file", str(hosts.identity_file), "--disable-cache", "--start-timeout", "60",
+           "--network-interfaces", hosts.iface, sys.executable, "-m", module, *args]
+    return Job(hosts.cmd_in(a, cmd), marker, module, env={"PATH": hosts.env()["PATH"]})
+
+
+def sh(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, f"{' '.join(cmd)}: {proc.stderr}"
+
+
+@contextlib.contextmanager
+def partition(hosts, how: str):
+    """Cut host B off: its veth end down, or every packet through it DROPped by iptables;
+    undone on exit."""
+    b = hosts.b
+    if how == "link-down":
+        undo = ["ip", "-n", b.netns, "link", "set", hosts.iface, "up"]
+        sh(["ip", "-n", b.netns, "link", "set", hosts.iface, "down"])
+    else:
+        if shutil.which("iptables") is None:
+            pytest.skip("iptables is not installed (apt-get install iptables)")
+        rules = [["INPUT", "-i", hosts.iface, "-j", "DROP"], ["OUTPUT", "-o", hosts.iface, "-j", "DROP"]]
+        for rule in rules:
+            sh(hosts.cmd_in(b, ["iptables", "-A", *rule]))
+        undo = None
+    try:
+        yield
+    finally:
+        if undo:
+            subprocess.run(undo, capture_output=True, timeout=30)
+        else:
+            for rule in rules:
+                subprocess.run(hosts.cmd_in(b, ["iptables", "-D", *rule]), capture_output=True,
+                               timeout=30)
+        hosts.kill_strays()
+
+
+@pytest.mark.parametrize("framework,controller,how,tier", cells(
+    ("torch", "mpi", "link-down", "ci"), ("torch", "gloo", "drop", "ci"),
+    ("torch", "mpi", "drop", "full"), ("torch", "gloo", "link-down", "full"),
+    ("tf", "mpi", "link-down", "full"), ("tf", "gloo", "drop", "full")))
+def test_partition_between_hosts_ends_the_job(hosts, framework, controller, how, tier, tmp_path,
+                                              jobs):
+    """Mid-epoch, host B (rank 1) is cut off from host A (rank 0, and the launcher).  TCP sees
+    nothing (no reset, just silence), so every rank would wait forever; now rank 0 names rank 1
+    on host B as unreachable and ends the job, and rank 1, which cannot reach anyone, ends
+    itself."""
+    module, ckpt = MODULES[framework], tmp_path / "ckpt"
+    job = cross_host_job(hosts, controller, module, [*LONG, "--checkpoint-dir", str(ckpt)],
+                         str(tmp_path))
+    jobs.append(job)
+    job.wait_for_file(ckpt, f"ckpt-epoch*.{EXT[framework]}")
+    rank1 = job.rank(1)
+    with partition(hosts, how):
+        t0 = time.monotonic()
+        rc, took = job.wait_exit(BOUND + 30)
+        record(f"partition ({how})/{framework}/{controller}/fixed", f"exit {rc}", took)
+        # the rank on host B must end itself: nothing can reach it to kill it
+        with contextlib.suppress(psutil.Error):
+            rank1.wait(timeout=max(1, BOUND - (time.monotonic() - t0)))
+        rank1_gone = time.monotonic() - t0
+        assert not rank1.is_running() or rank1.status() == psutil.STATUS_ZOMBIE, \
+            f"rank 1 on host B still running {rank1_gone:.0f} s after the partition"
+        assert_nothing_left(job)
+    assert rc != 0
+    assert took <= BOUND, f"{took:.0f} s from the partition to the end of the job"
+    assert_one_line(job, r"rank 1 \(", "unreachable", rf"{hosts.b.name}|{hosts.b.addr}")
+    assert_newest_checkpoint_loads(ckpt, framework)
+
+
+@contextlib.contextmanager
+def lossy_slow_link(hosts):
+    """10% loss and 200 ms delay on host B's side of the link: tc netem where the kernel has it;
+    else (this machine's kernel has no sch_netem) iptables' random 10% DROP plus a tbf rate limit
+    of 20 Mbit/s that queues up to 200 ms.  Undone on exit.  Returns a description."""
+    b, dev = hosts.b, hosts.iface
+    netem = subprocess.run(["tc", "-n", b.netns, "qdisc", "add", "dev", dev, "root", "netem",
+                            "loss", "10%", "delay", "200ms"], capture_output=True, text=True)
+    rule = None
+    if netem.returncode == 0:
+        what = "tc netem loss 10% delay 200ms"
+    else:
+        if shutil.which("iptables") is None:
+            pytest.skip("no tc netem in this kernel and no iptables (apt-get install iptables)")
+        sh(["tc", "-n", b.netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", "20mbit",
+            "burst", "32kb", "latency", "200ms"])
+        rule = ["OUTPUT", "-o", dev, "-m", "statistic", "--mode", "random", "--probability", "0.1",
+                "-j", "DROP"]
+        sh(hosts.cmd_in(b, ["iptables", "-A", *rule]))
+        what = "iptables random 10% DROP + tc tbf 20mbit, 200 ms queue"
+    try:
+        yield what
+    finally:
+        subprocess.run(["tc", "-n", b.netns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+        if rule:
+            subprocess.run(hosts.cmd_in(b, ["iptables", "-D", *rule]), capture_output=True)
+
+
+@pytest.mark.parametrize("framework,controller,tier", cells(
+    ("torch", "gloo", "ci"), ("torch", "mpi", "full"), ("tf", "mpi", "full"), ("tf", "gloo", "full")))
+def test_lossy_slow_link_trains_on_to_the_same_weights(hosts, framework, controller, tier, tmp_path,
+                                                       jobs):
+    """A lossy, slow link to host B is not a dead rank: the job trains on, slower, and ends with
+    bit for bit the weights of the same job over the clean link (TCP hides the loss; the math is
+    the same)."""
+    module = MODULES[framework]
+    args = ["--train-samples", "512", "--test-samples", "200", "--batch-size", "32", "--epochs", "2",
+            "--no-progress", "--stall-timeout", str(STALL)]
+    results = {}
+    for label in ("clean", "lossy"):
+        out = tmp_path / f"{label}.json"
+        job = cross_host_job(hosts, controller, module, [*args, "--metrics-out", str(out)],
+                             str(tmp_path))
+        jobs.append(job)
+        with lossy_slow_link(hosts) if label == "lossy" else contextlib.nullcontext("clean") as what:
+            rc, took = job.wait_exit(300)
+        assert rc == 0 and not error_lines(job.output()), job.output()[-3000:]
+        results[label] = json.loads(out.read_text())
+        results[label]["wall"] = took
+        hosts.kill_strays()
+    clean, lossy = results["clean"], results["lossy"]
+    record(f"lossy link ({what})/{framework}/{controller}/fixed", "trained on",
+           lossy["total_seconds"])
+    print(f"training seconds: clean {clean['total_seconds']:.1f}, lossy {lossy['total_seconds']:.1f}")
+    assert len(set(lossy["param_checksums"])) == 1
+    assert lossy["param_checksums"] == clean["param_checksums"]
+    assert [e["train_loss"] for e in lossy["epochs"]] == [e["train_loss"] for e in clean["epochs"]]
