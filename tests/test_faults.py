@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -218,11 +219,42 @@ def test_frozen_rank_ends_the_job(framework, controller, victim, tier, tmp_path,
     assert_newest_checkpoint_loads(ckpt, framework)
 
 
-@pytest.mark.parametrize("framework,tier", cells(("torch", "ci"), ("tf", "full")))
-def test_frozen_worker_is_lost_and_the_elastic_job_recovers(framework, tier, tmp_path):
+@pytest.mark.parametrize("framework,controller,fault,tier", cells(
+    ("torch", "mpi", "sigkill", "full"), ("torch", "gloo", "sigkill", "full"),
+    ("tf", "mpi", "sigkill", "full"), ("tf", "gloo", "sigkill", "full"),
+    ("tf", "mpi", "exception", "full"), ("tf", "gloo", "exception", "full")))
+def test_killed_rank_ends_the_job(framework, controller, fault, tier, tmp_path, jobs):
+    """Rank 1 killed (SIGKILL) or raising (KeyboardInterrupt from SIGINT): the launcher ends the
+    job at once.  (tests/test_fault_tolerance.py checks the torch cells in CI; these add TF and
+    the measured times.)"""
+    module, ckpt = MODULES[framework], tmp_path / "ckpt"
+    how = "horovodrun" if controller == "mpi" else "gloo"
+    job = Job(launch_cmd(module, [*LONG, "--checkpoint-dir", str(ckpt)], np=2, how=how),
+              str(tmp_path), module)
+    jobs.append(job)
+    job.wait_for_file(ckpt, f"ckpt-epoch*.{EXT[framework]}")
+    job.rank(1).send_signal(signal.SIGKILL if fault == "sigkill" else signal.SIGINT)
+    rc, took = job.wait_exit(BOUND + 30)
+    record(f"killed rank 1 ({fault})/{framework}/{controller}/fixed", f"exit {rc}", took)
+    assert rc != 0 and took <= BOUND
+    out = job.output()
+    if fault == "exception":
+        assert "rank 1 interrupted" in out, out[-3000:]
+    elif controller == "mpi":
+        assert re.search(r"rank 1 .*exited on signal 9", out.replace("\n", " ")), out[-3000:]
+    assert len(error_lines(out)) <= 1, out[-3000:]
+    assert_nothing_left(job)
+    assert_newest_checkpoint_loads(ckpt, framework)
+
+
+@pytest.mark.parametrize("framework,fault,tier", cells(
+    ("torch", "sigstop", "ci"), ("tf", "sigstop", "full"), ("torch", "sigkill", "full"),
+    ("tf", "sigkill", "full")))
+def test_frozen_worker_is_lost_and_the_elastic_job_recovers(framework, fault, tier, tmp_path):
     """SIGSTOP one of two elastic workers: its guardian kills it after --stall-timeout (Horovod's
     driver re-forms only once every worker has reported, and a stopped one never does), the
-    survivor rolls back to its last commit and finishes alone."""
+    survivor rolls back to its last commit and finishes alone.  (SIGKILL: the same without the
+    wait; tests/test_elastic.py covers it with either rank killed.)"""
     from test_elastic import ElasticJob, check_trained, world_sizes
 
     job = ElasticJob(tmp_path, MODULES[framework], ["localhost:1", "127.0.0.1:1"], np=2, max_np=2,
@@ -232,10 +264,11 @@ def test_frozen_worker_is_lost_and_the_elastic_job_recovers(framework, tier, tmp
         workers = job.workers("localhost") + job.workers("127.0.0.1")
         victim = [p for p in workers if p.environ().get("HOROVOD_RANK") == "1"]
         assert len(victim) == 1, [p.environ().get("HOROVOD_RANK") for p in workers]
-        victim[0].send_signal(signal.SIGSTOP)
+        victim[0].send_signal(signal.SIGSTOP if fault == "sigstop" else signal.SIGKILL)
         t0 = time.monotonic()
         job.wait_for(r"elastic: 1 worker", timeout=BOUND + 60)
-        record(f"frozen worker/{framework}/gloo/elastic", "recovered", time.monotonic() - t0)
+        what = "frozen worker" if fault == "sigstop" else "killed worker"
+        record(f"{what}/{framework}/gloo/elastic", "recovered", time.monotonic() - t0)
         summary = job.finish()
     finally:
         job.kill()
@@ -243,8 +276,9 @@ def test_frozen_worker_is_lost_and_the_elastic_job_recovers(framework, tier, tmp
     resumed = summary["elastic_resizes"][1]
     assert resumed["consumed"] % (4 * 32 * 2) == 0, "rolled back to a commit (every 4 steps)"
     check_trained(summary, 3)
-    assert [ln for ln in error_lines(job.output()) if "is frozen" in ln and "rank 1 " in ln], \
-        job.output()[-3000:]
+    if fault == "sigstop":
+        assert [ln for ln in error_lines(job.output()) if "is frozen" in ln and "rank 1 " in ln], \
+            job.output()[-3000:]
     assert not victim[0].is_running() or victim[0].status() == psutil.STATUS_ZOMBIE
 
 
@@ -393,3 +427,112 @@ def test_lossy_slow_link_trains_on_to_the_same_weights(hosts, framework, control
     assert len(set(lossy["param_checksums"])) == 1
     assert lossy["param_checksums"] == clean["param_checksums"]
     assert [e["train_loss"] for e in lossy["epochs"]] == [e["train_loss"] for e in clean["epochs"]]
+
+
+# --- 4. a full disk during a checkpoint save ----------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB tmpfs: room for one checkpoint (1.5 MB) but not for the next one's temp file."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "ringtrain-test-tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {proc.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+@pytest.mark.parametrize("framework,mode,tier", cells(
+    ("torch", "fixed", "ci"), ("tf", "fixed", "full"), ("torch", "elastic", "full"),
+    ("tf", "elastic", "full")))
+def test_full_disk_keeps_the_previous_checkpoint_and_trains_on(framework, mode, tier, small_disk,
+                                                               tmp_path, jobs):
+    """The disk fills up during the second save: one warning line per lost save naming the
+    checkpoint that is still intact, the job trains on to the end (the choice documented in
+    docs/fault-tolerance.md), no temp file is left and the previous checkpoint loads."""
+    args = ["--train-samples", "512", "--test-samples", "200", "--batch-size", "32",
+            "--no-progress", "--stall-timeout", str(STALL), "--checkpoint-dir", str(small_disk)]
+    if mode == "fixed":
+        job = Job(launch_cmd(MODULES[framework], [*args, "--epochs", "3"], np=2), str(tmp_path),
+                  MODULES[framework])
+        jobs.append(job)
+        rc, _ = job.wait_exit(400)
+        out = job.output()
+        assert rc == 0, out[-3000:]
+    else:
+        from test_elastic import ElasticJob
+
+        elastic = ElasticJob(tmp_path, MODULES[framework], ["localhost:2"], np=2, max_np=2, epochs=3,
+                             extra=args)
+        try:
+            elastic.finish()
+        finally:
+            elastic.kill()
+        out = elastic.output()
+    warnings = [ln for ln in out.splitlines() if "warning: checkpoint" in ln]
+    assert len(warnings) == 2, out[-3000:]  # epochs 2 and 3
+    assert "ckpt-epoch0002" in warnings[0] and "No space left on device" in warnings[0], warnings[0]
+    assert "ckpt-epoch0001" in warnings[0] and "intact" in warnings[0], warnings[0]
+    assert not error_lines(out), out[-3000:]
+    assert re.search(r"epoch 3/3: ", out), out[-3000:]
+    assert assert_newest_checkpoint_loads(small_disk, framework) == 1
+    record(f"full disk/{framework}/{'mpi' if mode == 'fixed' else 'gloo'}/{mode}",
+           "warned, trained on", 0.0)
+
+
+# --- 6. Horovod's start-up failures: python -m launch.horovodrun ---------------------------------
+
+def wrapped_horovodrun(*argv: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "launch.horovodrun", *argv], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"})
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("case", ["silent", "refused", "unresolvable"])
+def test_unreachable_host_at_start_is_one_line(case):
+    """horovodrun alone, with a host that does not answer: 53 s of silence here, then
+    'RuntimeError: could not connect to some hosts via ssh' in a traceback.  The wrapper checks
+    every host's ssh banner first (5 s at most).  Hosts: a port that accepts but never speaks (a
+    hung host), a closed port, a name that does not resolve."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.2", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        host, why = {"silent": ("127.0.0.2", f"no answer on port {port} within 5 s"),
+                     "refused": ("127.0.0.3", f"port {port}: Connection refused"),
+                     "unresolvable": ("rt-no-such-host.invalid", "its name does not resolve")}[case]
+        proc, took = wrapped_horovodrun("-np", "2", "-H", f"localhost:1,{host}:1", "-p", str(port),
+                                        sys.executable, "-m", MODULES["torch"], "--epochs", "1")
+    record(f"unreachable host in -H ({case})/any/any/fixed", f"exit {proc.returncode}", took)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and f"host {host} ({why})" in lines[0], proc.stderr
+    assert "cannot be reached over ssh" in lines[0]
+
+
+def test_missing_slot_at_start_is_one_line():
+    """horovodrun alone: Open MPI's 20-line 'not enough slots' text after ~10 s."""
+    proc, took = wrapped_horovodrun("-np", "3", "-H", "localhost:2", sys.executable, "-m",
+                                    MODULES["torch"], "--epochs", "1")
+    record("missing slot (-np 3 -H localhost:2)/any/mpi/fixed", f"exit {proc.returncode}", took)
+    assert proc.returncode == 2, proc.stderr
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and "-np 3 needs 3 slots" in lines[0] and "localhost:2" in lines[0]
+
+
+def test_horovodrun_traceback_becomes_one_line():
+    """A failure horovodrun itself reports with a traceback (here: its ranks exit 3 under Gloo)
+    comes out as the exception's one line, with horovodrun's exit status."""
+    proc, _ = wrapped_horovodrun("--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-c",
+                                 "import sys; sys.exit(3)")
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: horovodrun: RuntimeError: Horovod "
+                                                   "detected"), proc.stderr
