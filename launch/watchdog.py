@@ -452,15 +452,16 @@ def _end_stuck_launcher(launcher: int | None) -> None:
     (Open MPI's second Ctrl-C forces it out), then kill it."""
     if launcher is None or not _comm(launcher).startswith(MPI_LAUNCHERS):
         return
+    # Let go of the rank's output pipes first: a launcher that waits for them to close must not
+    # wait for us.  (The rank's own line has said why the job ends.)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(devnull, fd)
     deadline = _now() + GRACE
     while _now() < deadline:
         if not os.path.exists(f"/proc/{launcher}"):
             return
         time.sleep(0.5)
-    name = _comm(launcher)
-    sys.stderr.write(f"note: {name} (pid {launcher}) was still running {GRACE:.0f} s after "
-                     f"MPI_Abort (a host it must reach is cut off?); interrupting it\n")
-    sys.stderr.flush()
     for sig, wait in ((signal.SIGINT, 1.0), (signal.SIGINT, 5.0), (signal.SIGKILL, 0.0)):
         try:
             os.kill(launcher, sig)
