@@ -27,13 +27,33 @@ SSH_ANSWER_SECONDS = 5.0
 _LOCAL = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
 
 
+# horovodrun 0.28.1's flags that take no value (from its parser); every other flag takes one.
+_NO_VALUE = frozenset((
+    "--autotune", "--no-autotune", "--disable-cache", "--gloo", "--mpi", "--jsrun", "--tcp",
+    "--verbose", "--hierarchical-allgather", "--no-hierarchical-allgather",
+    "--hierarchical-allreduce", "--no-hierarchical-allreduce", "--log-with-timestamp",
+    "--log-without-timestamp", "--mpi-threads-disable", "--no-mpi-threads-disable",
+    "--stall-check", "--no-stall-check", "--timeline-mark-cycles", "--no-timeline-mark-cycles",
+    "--torus-allreduce", "--no-torus-allreduce", "--prefix-output-with-timestamp",
+    "-prefix-timestamp", "-cb", "--check-build", "-h", "--help", "-v", "--version"))
+
+
+def own_flags(argv: list[str]) -> list[str]:
+    """horovodrun's own arguments: those before the command (the first word that is neither a
+    flag nor a flag's value); the command's flags are not horovodrun's."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 1 if "=" in argv[i] or argv[i] in _NO_VALUE else 2
+    return argv[:i]
+
+
 def _value(argv: list[str], *names: str) -> str | None:
-    """The value of the first of ``names`` among horovodrun's flags (``-H a:1`` or ``-H=a:1``),
-    before the command starts (the first word that is not a flag or a flag's value)."""
-    for i, arg in enumerate(argv):
+    """The value of the first of ``names`` among horovodrun's own flags (``-H a:1``, ``-H=a:1``)."""
+    flags = own_flags(argv)
+    for i, arg in enumerate(flags):
         for name in names:
-            if arg == name and i + 1 < len(argv):
-                return argv[i + 1]
+            if arg == name and i + 1 < len(flags):
+                return flags[i + 1]
             if arg.startswith(name + "="):
                 return arg.split("=", 1)[1]
     return None

@@ -29,7 +29,9 @@ pieces, all in this module, end such a job within ``--stall-timeout`` seconds an
   an elastic job (where nothing else can end a stopped worker, and Horovod's driver waits for
   every worker to report before it re-forms) then carries on without it, and a fixed job whose
   frozen rank sits on another host (which horovodrun --gloo cannot reach to kill) leaves no rank
-  behind.
+  behind.  After its rank called ``MPI_Abort``, the guardian also sees that the MPI launcher
+  ends: mpirun waits for ever for the daemon of a host cut off by a partition, so the guardian
+  interrupts it twice (Open MPI's forced exit) if it is still there :data:`GRACE` s later.
 
 Elastic jobs (``--elastic``) issue no collective outside the elastic loop and change ranks as
 workers come and go, so they run without heartbeats: the guardian handles a frozen worker after

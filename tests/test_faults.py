@@ -536,3 +536,86 @@ def test_horovodrun_traceback_becomes_one_line():
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: horovodrun: RuntimeError: Horovod "
                                                    "detected"), proc.stderr
+
+
+# --- the pieces, without a job (fast) -----------------------------------------------------------
+
+def test_heartbeats_name_the_silent_rank_and_rank_0_decides():
+    """Two watchdogs exchange real UDP heartbeats through the start-up records; when rank 1 stops
+    sending, rank 0's verdict names it, and rank 1, hearing rank 0, leaves the verdict to it."""
+    from launch.watchdog import Watchdog
+
+    dogs = [Watchdog(4, r, 2, "gloo", elastic=False) for r in range(2)]
+    records, ready = [None, None], threading.Barrier(2)
+
+    def allgather(record, name):
+        records[record["rank"]] = record
+        ready.wait()
+        return list(records)
+
+    openers = [threading.Thread(target=d.open_channel, args=(allgather,)) for d in dogs]
+    for t in openers:
+        t.start()
+    for t in openers:
+        t.join()
+    for _ in range(3):  # three ticks of both: every heartbeat answered
+        for d in dogs:
+            d.exchange()
+    assert all(abs(d.seen[1 - d.rank] - time.monotonic()) < 5 for d in dogs)
+    assert dogs[0].check() is None  # progress is fresh
+    for d in dogs:
+        d.steps, d.last = 7, time.monotonic() - 5  # training, but no step for 5 s > 4 s
+    assert dogs[1].check() is None  # rank 0 answers: it is rank 0's call (for GRACE seconds)
+    dogs[0].seen[1] = time.monotonic() - 3  # rank 1 silent for 3 s > 4 / 2
+    verdict = dogs[0].check()
+    assert verdict and re.match(r"rank 1 \(.*\) is frozen, dead or unreachable \(no heartbeat",
+                                verdict), verdict
+    for d in dogs:
+        d.sock.close()
+
+
+GUARDED = """
+import os, sys, time
+from launch.watchdog import Watchdog
+dog = Watchdog(2, 1, 2, "gloo", elastic=True)
+dog.start_guardian()
+print(dog.guard.pid, flush=True)
+while True:
+    dog.feed_guardian()
+    time.sleep(0.2)
+"""
+
+
+def test_guardian_kills_its_frozen_rank_and_says_so():
+    """A stopped process cannot act; its guardian, fed by the rank's watchdog thread, kills it
+    after the limit (2 s here) with one line naming the rank and why."""
+    proc = subprocess.Popen([sys.executable, "-c", GUARDED], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        guardian = psutil.Process(int(proc.stdout.readline()))
+        time.sleep(1)
+        proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        took = time.monotonic() - t0
+        guardian.wait(timeout=10)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert 1.5 < took < 15, took  # 2 s after the last feed, which came <= 0.2 s before
+    lines = error_lines(err)
+    assert len(lines) == 1 and re.search(r"rank 1 \(.*pid \d+\) is frozen: stopped", lines[0]), err
+
+
+def test_horovodrun_flags_are_read_like_horovodrun(tmp_path):
+    from launch.horovodrun import exception_line, hosts_and_slots
+
+    assert hosts_and_slots(["-np", "4", "-H", "a:2,b", "python", "x.py"]) == [("a", 2), ("b", 1)]
+    assert hosts_and_slots(["-np", "2", "--gloo", "python", "x.py", "-H", "theirs:9"]) == []
+    assert hosts_and_slots(["--verbose", "-H=a:3", "--start-timeout", "9", "python"]) == [("a", 3)]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\nnode1 slots=4\nnode2 slots=2  # two GPUs\n")
+    assert hosts_and_slots(["--hostfile", str(hostfile)]) == [("node1", 4), ("node2", 2)]
+    assert exception_line(["Traceback (most recent call last):\n", '  File "x", line 1\n',
+                           "RuntimeError: first\n", "second line\n"]) == "RuntimeError: first second line"
