@@ -53,9 +53,11 @@ def cells(*specs):
             for spec in specs]
 
 
-def record(cell: str, outcome: str, seconds: float) -> None:
-    """Print (pytest -s) and log the measured time to the outcome."""
-    line = {"cell": cell, "outcome": outcome, "seconds": round(seconds, 1)}
+def record(cell: str, outcome: str, seconds: float | None, detected: float | None = None) -> None:
+    """Print (pytest -s) and log the measured time to the outcome (and to the first line that
+    named the fault, where there is one)."""
+    line = {"cell": cell, "outcome": outcome, "seconds": None if seconds is None else round(seconds, 1),
+            "detected": None if detected is None else round(detected, 1)}
     print(f"MEASURED {json.dumps(line)}")
     if os.environ.get("RINGTRAIN_FAULT_LOG"):
         with open(os.environ["RINGTRAIN_FAULT_LOG"], "a") as fh:
@@ -73,16 +75,23 @@ class Job:
                                      env=full_env, cwd=REPO, start_new_session=True,
                                      stdin=subprocess.DEVNULL)
         self.lines: list[str] = []
+        self.times: list[float] = []  # when each line arrived (time.monotonic())
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         self.rank_pids: set[int] = set()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
+            self.times.append(time.monotonic())
             self.lines.append(line.rstrip("\n"))
 
     def output(self) -> str:
         return "\n".join(self.lines)
+
+    def first_error_after(self, t0: float) -> float | None:
+        """Seconds from ``t0`` to the first line that says ``error:``."""
+        pairs = zip(self.times, self.lines, strict=False)  # the reader may be mid-line
+        return next((t - t0 for t, ln in pairs if "error: " in ln and t >= t0), None)
 
     def ranks(self) -> list[psutil.Process]:
         found = []
@@ -210,8 +219,10 @@ def test_frozen_rank_ends_the_job(framework, controller, victim, tier, tmp_path,
     jobs.append(job)
     job.wait_for_file(ckpt, f"ckpt-epoch*.{EXT[framework]}")
     job.rank(victim).send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
     rc, took = job.wait_exit(BOUND + 30)
-    record(f"frozen rank {victim}/{framework}/{controller}/fixed", f"exit {rc}", took)
+    record(f"frozen rank {victim}/{framework}/{controller}/fixed", f"exit {rc}", took,
+           job.first_error_after(t0))
     assert rc != 0
     assert took <= BOUND, f"{took:.0f} s from SIGSTOP to the end of the job"
     assert_one_line(job, rf"rank {victim} \(", "frozen")
@@ -234,8 +245,10 @@ def test_killed_rank_ends_the_job(framework, controller, fault, tier, tmp_path, 
     jobs.append(job)
     job.wait_for_file(ckpt, f"ckpt-epoch*.{EXT[framework]}")
     job.rank(1).send_signal(signal.SIGKILL if fault == "sigkill" else signal.SIGINT)
+    t0 = time.monotonic()
     rc, took = job.wait_exit(BOUND + 30)
-    record(f"killed rank 1 ({fault})/{framework}/{controller}/fixed", f"exit {rc}", took)
+    record(f"killed rank 1 ({fault})/{framework}/{controller}/fixed", f"exit {rc}", took,
+           job.first_error_after(t0))
     assert rc != 0 and took <= BOUND
     out = job.output()
     if fault == "exception":
@@ -356,7 +369,8 @@ def test_partition_between_hosts_ends_the_job(hosts, framework, controller, how,
     with partition(hosts, how):
         t0 = time.monotonic()
         rc, took = job.wait_exit(BOUND + 30)
-        record(f"partition ({how})/{framework}/{controller}/fixed", f"exit {rc}", took)
+        record(f"partition ({how})/{framework}/{controller}/fixed", f"exit {rc}", took,
+               job.first_error_after(t0))
         # the rank on host B must end itself: nothing can reach it to kill it
         with contextlib.suppress(psutil.Error):
             rank1.wait(timeout=max(1, BOUND - (time.monotonic() - t0)))
@@ -481,7 +495,7 @@ def test_full_disk_keeps_the_previous_checkpoint_and_trains_on(framework, mode, 
     assert re.search(r"epoch 3/3: ", out), out[-3000:]
     assert assert_newest_checkpoint_loads(small_disk, framework) == 1
     record(f"full disk/{framework}/{'mpi' if mode == 'fixed' else 'gloo'}/{mode}",
-           "warned, trained on", 0.0)
+           "warned at the failed save, trained on", None)
 
 
 # --- 6. Horovod's start-up failures: python -m launch.horovodrun ---------------------------------
