@@ -122,7 +122,7 @@ def main_thread_outside_frameworks() -> str | None:
 
 
 def describe(info: dict) -> str:
-    """``rank 1 (host rt-hostb, 10.251.0.2, pid 4242)`` from a rank's start-up record."""
+    """``rank 1 (rt-hostb, 10.251.0.2, pid 4242)`` from a rank's start-up record."""
     where = [info.get("host", "?")]
     addr = info.get("addr")
     if addr and not addr.startswith("127.") and addr not in where:
