@@ -6,7 +6,8 @@ Faults are real: SIGSTOP/SIGKILL of a rank, the veth link between two network-na
 taken down or DROPped with iptables mid-epoch, iptables random loss plus a tbf rate limit on one
 host (tc netem where the kernel has it), a tmpfs too small for the next checkpoint.
 
-CI runs the cells marked below; the full matrix (about 15 more minutes here) runs with
+CI runs the cells marked "ci" below (3.5 min here at load 5-7, with the fast checks of the
+pieces); the full matrix (38 tests, 47 min here at load 9-25) runs with
 ``RINGTRAIN_FAULTS=all pytest tests/test_faults.py``.  ``RINGTRAIN_FAULT_LOG=FILE`` appends one
 JSON line per cell with the measured time from the fault to the outcome (docs/fault-tolerance.md's
 table comes from such a run).
@@ -201,6 +202,17 @@ def assert_newest_checkpoint_loads(ckpt: Path, framework: str) -> int:
     return epoch
 
 
+def training_job(framework: str, controller: str, tmp_path: Path, jobs: list) -> tuple[Job, Path]:
+    """A long 2-rank job on this host, once its first checkpoint exists (it is training)."""
+    module, ckpt = MODULES[framework], tmp_path / "ckpt"
+    how = "horovodrun" if controller == "mpi" else "gloo"
+    job = Job(launch_cmd(module, [*LONG, "--checkpoint-dir", str(ckpt)], np=2, how=how),
+              str(tmp_path), module)
+    jobs.append(job)
+    job.wait_for_file(ckpt, f"ckpt-epoch*.{EXT[framework]}")
+    return job, ckpt
+
+
 # --- 1. a frozen rank (SIGSTOP) ------------------------------------------------------------------
 
 @pytest.mark.parametrize("framework,controller,victim,tier", cells(
@@ -212,12 +224,7 @@ def test_frozen_rank_ends_the_job(framework, controller, victim, tier, tmp_path,
     stall check never runs (the job ran forever before the watchdog); under Gloo Gloo's own 30 s
     timeout ended it with a traceback per rank.  Now: non-zero exit within --stall-timeout +
     30 s, one line naming the frozen rank, nothing left, the newest checkpoint loadable."""
-    module, ckpt = MODULES[framework], tmp_path / "ckpt"
-    how = "horovodrun" if controller == "mpi" else "gloo"
-    job = Job(launch_cmd(module, [*LONG, "--checkpoint-dir", str(ckpt)], np=2, how=how),
-              str(tmp_path), module)
-    jobs.append(job)
-    job.wait_for_file(ckpt, f"ckpt-epoch*.{EXT[framework]}")
+    job, ckpt = training_job(framework, controller, tmp_path, jobs)
     job.rank(victim).send_signal(signal.SIGSTOP)
     t0 = time.monotonic()
     rc, took = job.wait_exit(BOUND + 30)
@@ -238,12 +245,7 @@ def test_killed_rank_ends_the_job(framework, controller, fault, tier, tmp_path, 
     """Rank 1 killed (SIGKILL) or raising (KeyboardInterrupt from SIGINT): the launcher ends the
     job at once.  (tests/test_fault_tolerance.py checks the torch cells in CI; these add TF and
     the measured times.)"""
-    module, ckpt = MODULES[framework], tmp_path / "ckpt"
-    how = "horovodrun" if controller == "mpi" else "gloo"
-    job = Job(launch_cmd(module, [*LONG, "--checkpoint-dir", str(ckpt)], np=2, how=how),
-              str(tmp_path), module)
-    jobs.append(job)
-    job.wait_for_file(ckpt, f"ckpt-epoch*.{EXT[framework]}")
+    job, ckpt = training_job(framework, controller, tmp_path, jobs)
     job.rank(1).send_signal(signal.SIGKILL if fault == "sigkill" else signal.SIGINT)
     t0 = time.monotonic()
     rc, took = job.wait_exit(BOUND + 30)
