@@ -8,8 +8,10 @@ line rather than loaded into the wrong tensors.  Files are written atomically (s
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +51,28 @@ def latest(directory: str | os.PathLike, ext: str) -> Path | None:
     return max(found)[1] if found else None
 
 
-def save(directory: str | os.PathLike, epoch: int, ext: str, payload: bytes) -> Path:
+# A save that fails for want of space is not worth the run: training itself is unaffected, the
+# previous checkpoint is intact (saves are atomic), and stopping a fixed job would cost every
+# rank's work since it, while an elastic job would only hand the failing save to the next rank 0.
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def save(directory: str | os.PathLike, epoch: int, ext: str, payload: bytes) -> Path | None:
+    """Write the epoch's checkpoint atomically.  On a full disk (or quota), print one warning
+    line naming the checkpoint that is still intact and return None: the job trains on."""
     path = path_for(directory, epoch, ext)
-    atomic_write_bytes(path, payload)
+    try:
+        atomic_write_bytes(path, payload)
+    except OSError as err:
+        if err.errno not in _DISK_FULL:
+            raise
+        newest = latest(directory, ext)
+        kept = f"{newest.name} is intact" if newest else "no earlier checkpoint exists"
+        sys.stderr.write(f"warning: checkpoint {path.name} not saved: {err.strerror} in "
+                         f"{directory} ({len(payload) / 1e6:.1f} MB needed); {kept}; training "
+                         f"goes on, free space to save the next epochs\n")  # one write: MPI tags
+        sys.stderr.flush()
+        return None
     return path
 
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from launch import dataset
+from launch import dataset, watchdog
 from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
 from launch.report import EpochRecord
-from launch.sharding import remaining_shard
+from launch.sharding import remaining_shard, steps_per_epoch
 
 LAUNCH_HINT = ("horovodrun -np 2 --min-np 1 --max-np 4 --host-discovery-script "
                "launch/discover_hosts.sh python -m launch.torch_mnist --elastic")
@@ -55,10 +55,29 @@ def local_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             data.test_images[:n_test], data.test_labels[:n_test])
 
 
-def epoch_progress(epoch: int, consumed: int, num_samples: int) -> float:
-    """Fractional epochs done, by samples consumed: the LR schedule's clock, which does not care
-    how many workers consumed them."""
-    return epoch - 1 + consumed / num_samples
+def epoch_steps(num_samples: int, world_size: int, batch_size: int, backward_passes: int,
+                max_steps: int | None = None) -> int:
+    """Optimizer steps per rank over ``num_samples`` samples: the fixed trainers' rule
+    (:func:`launch.sharding.optimizer_steps`: batches, the last one possibly partial, grouped by
+    ``backward_passes``, trailing batches that fill no group dropped), without its refusal of too
+    little data, which mid-epoch only means that no step is left."""
+    steps = steps_per_epoch(num_samples, world_size, batch_size) // backward_passes
+    return min(steps, max_steps) if max_steps else steps
+
+
+def epoch_progress(epoch: int, consumed: int, num_samples: int, world_size: int, batch_size: int,
+                   backward_passes: int, max_steps: int | None = None) -> float:
+    """Fractional epochs done: the LR schedule's clock.
+
+    The fixed trainers run ``epoch - 1 + step / steps``; after s steps in a world of N ranks the
+    elastic job has consumed ``s * batch * K * N`` samples, so ``consumed / (batch * K * N *
+    steps)`` is the same clock, to the bit (both are correctly rounded quotients of the same
+    rational), also when a partial last batch makes ``steps`` batches hold fewer samples than
+    that.  After a resize the clock runs on for the new world from the same ``consumed``.
+    """
+    steps = epoch_steps(num_samples, world_size, batch_size, backward_passes, max_steps)
+    per_step = batch_size * backward_passes * world_size
+    return epoch - 1 + min(consumed / (per_step * max(steps, 1)), 1.0)
 
 
 # --- the loop both frameworks run inside hvd.elastic.run ---------------------------------------
@@ -92,6 +111,7 @@ def run_epochs(state, args, n_train: int, glue: Glue, job) -> tuple[float, float
     """
     k, batch = args.backward_passes_per_step, args.batch_size
     job.n_train = n_train
+    watchdog.new_world(glue.rank, glue.size)  # the job re-formed: progress, with a new rank
     target_lr = scaled_lr(args.base_lr, glue.size, args.lr_scaling)
     if not state.resizes or state.resizes[-1]["world_size"] != glue.size:
         state.resizes.append({"epoch": state.epoch, "consumed": state.consumed,
@@ -104,13 +124,14 @@ def run_epochs(state, args, n_train: int, glue: Glue, job) -> tuple[float, float
         epoch = state.epoch
         shard = remaining_shard(n_train, state.consumed, glue.rank, glue.size, args.seed, epoch,
                                 shuffle=not args.no_shuffle)
-        steps = len(shard) // (batch * k) + (1 if k == 1 and len(shard) % batch else 0)
+        steps = epoch_steps(len(shard), 1, batch, k)  # the fixed trainers' count, for the rest
         if args.max_steps:
             steps = max(0, min(steps, args.max_steps - state.epoch_steps))
         done_before, pending, lr = state.epoch_steps, [0.0, 0.0], target_lr
         for step in range(steps):
-            lr = lr_at(epoch_progress(epoch, state.consumed, n_train), args.base_lr, target_lr,
-                       args.warmup_epochs, args.epochs, args.lr_decay)
+            lr = lr_at(epoch_progress(epoch, state.consumed, n_train, glue.size, batch, k,
+                                      args.max_steps),
+                       args.base_lr, target_lr, args.warmup_epochs, args.epochs, args.lr_decay)
             loss_sum, used = glue.step(shard[step * batch * k:][:batch * k], lr)
             pending = [pending[0] + loss_sum, pending[1] + used]
             state.consumed += used * glue.size  # a strided prefix per rank is a prefix of the order

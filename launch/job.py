@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from launch import checkpoint, cli, dataset, elastic, models
+from launch import checkpoint, cli, dataset, elastic, models, watchdog
 from launch.errors import UserError
 from launch.frameworks import import_trainer
 from launch.lr import lr_at
@@ -77,7 +77,9 @@ class Job:
 
     def _collective(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
         """Issue one of the skeleton's collectives; it has completed on this rank on return."""
-        return fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
+        watchdog.progress()  # watchdog: a collective completed
+        return result
 
     def sum(self, values: Sequence[float], name: str) -> list[float]:
         """Element-wise float64 sum over all ranks."""
@@ -174,6 +176,7 @@ class Job:
         """Optimizer step ``step`` (from 1) of ``steps`` in ``epoch`` has completed on this rank,
         gradient allreduce included.  ``loss`` is this rank's mean loss over the step's batch,
         ``consumed`` the samples of this epoch that all ranks together have trained on so far."""
+        watchdog.progress()  # watchdog: a step completed, its allreduce included
         self.report.step(epoch, self.args.epochs, step, steps, loss)
         if self.board is not None and self.args.tensorboard_steps:
             value = loss() if callable(loss) else loss

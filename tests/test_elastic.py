@@ -220,18 +220,24 @@ def test_elastic_survives_a_killed_worker(module, victim_rank, tmp_path):
     assert not job.workers("127.0.0.1") and not job.workers("localhost")
 
 
+@pytest.mark.parametrize("k", [1, 2], ids=["k1", "k2"])
 @pytest.mark.parametrize("module", MODULES)
-def test_elastic_without_changes_trains_exactly_like_the_fixed_job(module, tmp_path):
+def test_elastic_without_changes_trains_exactly_like_the_fixed_job(module, k, tmp_path):
     """With no worker lost or added, the elastic loop (its commits, its sample-count position, its
     per-step LR) is the same training as the fixed-size trainer over the same controller (Gloo):
-    same per-epoch losses and accuracies, same final weights.  (TF's fixed trainer computes the LR
-    in the graph: it must be lr_at's float32 value exactly, or the two drift apart by epoch 2.)"""
-    job = ElasticJob(tmp_path, module, ["localhost:2"], np=2, max_np=2, epochs=2)
+    same per-epoch losses and accuracies, same final weights.  2000 samples on 2 ranks at batch 32
+    leave a partial last batch (1000 per rank = 31 full batches + 8), and with
+    --backward-passes-per-step 2 the last optimizer step is 32 + 8 images: the elastic loop must
+    count the same steps and run the same LR clock as the fixed trainers (it once dropped that
+    last step and ended with other weights).  (TF's fixed trainer computes the LR in the graph: it
+    must be lr_at's float32 value exactly, or the two drift apart by epoch 2.)"""
+    flags = ["--train-samples", "2000", "--backward-passes-per-step", str(k)]
+    job = ElasticJob(tmp_path, module, ["localhost:2"], np=2, max_np=2, epochs=2, extra=flags)
     elastic = job.finish()
     fixed_out = tmp_path / "fixed.json"
     plain = [a for a in JOB if a not in ("--commit-every", "4")]
-    train(module, [*plain, "--epochs", "2", "--metrics-out", str(fixed_out)], np=2, how="gloo",
-          env={"OMP_NUM_THREADS": job.threads})
+    train(module, [*plain, *flags, "--epochs", "2", "--metrics-out", str(fixed_out)], np=2,
+          how="gloo", env={"OMP_NUM_THREADS": job.threads})
     fixed = json.loads(fixed_out.read_text())
     assert world_sizes(elastic) == [2]
     for key in ("train_loss", "test_loss", "test_accuracy", "lr"):
@@ -281,3 +287,21 @@ def test_tf_peer_failure_rolls_back_but_a_model_error_ends_the_job():
     proc = run([sys.executable, "-c", TELL_APART], timeout=120, stdin=GLOO_PEER_DIED)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:2] == ["model error passed through", "peer failure rolls back"]
+
+
+@pytest.mark.parametrize("n,k,max_steps", [(2000, 1, None), (2000, 2, None), (1536, 1, None),
+                                           (1800, 2, None), (2000, 3, 5)])
+def test_elastic_counts_steps_and_runs_the_lr_clock_like_the_fixed_trainers(n, k, max_steps):
+    """The pure part of the test above, for more shapes: per epoch the elastic loop runs
+    ``optimizer_steps`` steps, and its sample-count clock equals the fixed trainers' step / steps
+    bit for bit at every step."""
+    from launch.elastic import epoch_progress, epoch_steps
+    from launch.sharding import optimizer_steps, remaining_shard
+
+    size, batch = 2, 32
+    steps = optimizer_steps(n, size, batch, k, max_steps)
+    shard = remaining_shard(n, 0, 0, size, 1, 1)
+    assert min(epoch_steps(len(shard), 1, batch, k), max_steps or steps) == steps
+    for s in range(steps):
+        consumed = s * batch * k * size
+        assert epoch_progress(3, consumed, n, size, batch, k, max_steps) == 2 + s / steps

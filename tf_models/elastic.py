@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from horovod.common.elastic import run_fn
 
-from launch import elastic
+from launch import elastic, watchdog
 from launch.dataset import model_inputs
 from launch.job import Job
 from launch.report import Summary
@@ -37,6 +37,7 @@ def train(args: argparse.Namespace) -> Summary:
     use_gpu = common.configure_devices(hvd.local_rank(), hvd.local_size())
     first = Job(args, framework="tf", versions=common.VERSIONS, hvd=hvd,
                 collectives=common.COLLECTIVES, use_gpu=use_gpu, elastic=True)
+    watchdog.start(args.stall_timeout, hvd, elastic=True)  # watchdog: a frozen worker is lost
     keras.utils.set_random_seed(args.seed + first.rank)  # rank 0's weights win at the first sync
     net = build(args.model, first.dataset, args.dropout, None)  # checked on every rank
     param_count = net.count_params()

@@ -20,6 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from launch import watchdog
 from launch.dataset import model_inputs
 from launch.job import Job
 from launch.lr import scaled_lr
@@ -39,6 +40,7 @@ def train(args: argparse.Namespace) -> Summary:
     use_gpu = common.configure_devices(hvd.local_rank(), hvd.local_size())
     job = Job(args, framework="tf", versions=common.VERSIONS, hvd=hvd,
               collectives=common.COLLECTIVES, use_gpu=use_gpu)
+    watchdog.start(args.stall_timeout, hvd)  # watchdog: a frozen or cut-off rank ends the job
     rank, size, k = job.rank, job.size, args.backward_passes_per_step
 
     # Different seeds per rank on purpose: the broadcast below, not luck, makes ranks agree.

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from launch import elastic
+from launch import elastic, watchdog
 from launch.job import Job
 from launch.report import Summary
 from launch.runtime import before_init, threads_per_rank
@@ -34,6 +34,7 @@ def train(args: argparse.Namespace) -> Summary:
     device = common.pin(hvd.local_rank(), hvd.local_size())
     first = Job(args, framework="torch", versions=common.VERSIONS, hvd=hvd,
                 collectives=common.COLLECTIVES, use_gpu=device.type == "cuda", elastic=True)
+    watchdog.start(args.stall_timeout, hvd, elastic=True)  # watchdog: a frozen worker is lost
     torch.manual_seed(args.seed + first.rank)  # rank 0's weights win at the first sync
     model = build(args.model, first.dataset, args.dropout).to(device)  # checked on every rank
     param_count = sum(p.numel() for p in model.parameters())

@@ -15,6 +15,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
+from launch import watchdog
 from launch.job import Job
 from launch.lr import scaled_lr
 from launch.report import Summary
@@ -32,6 +33,7 @@ def train(args: argparse.Namespace) -> Summary:
     device = common.pin(hvd.local_rank(), hvd.local_size())
     job = Job(args, framework="torch", versions=common.VERSIONS, hvd=hvd,
               collectives=common.COLLECTIVES, use_gpu=device.type == "cuda")
+    watchdog.start(args.stall_timeout, hvd)  # watchdog: a frozen or cut-off rank ends the job
     rank, size, k = job.rank, job.size, args.backward_passes_per_step
 
     # Different seeds per rank on purpose: the broadcast below, not luck, makes ranks agree.
