@@ -78,8 +78,9 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="with --elastic: commit the training state every N steps; a lost worker "
                         "costs at most N steps of redone work (default 20)")
     g.add_argument("--stall-timeout", type=float, default=120.0,
-                   help="seconds a rank may lag its peers' collectives before Horovod's stall "
-                        "check shuts the job down instead of hanging (default 120; 0 = never)")
+                   help="seconds without a finished step or collective (a frozen, dead, cut-off or "
+                        "stuck rank) before the watchdog ends the job with one line naming the rank, "
+                        "instead of hanging; also arms Horovod's stall check (default 120; 0 = never)")
 
     g = parser.add_argument_group("output")
     g.add_argument("--checkpoint-dir", default=None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 import struct
 
@@ -40,15 +41,6 @@ def controller(hvd) -> str:
     return "unknown"
 
 
-def launcher() -> str:
-    """Who started us, from the environment the launcher leaves behind."""
-    if "HOROVOD_HOSTNAME" in os.environ or "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ:
-        return "horovodrun"
-    if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
-        return "mpirun"
-    return "single-process"
-
-
 def configure_stall_check(timeout_seconds: float) -> None:
     """Make a stuck or dead rank end the job instead of hanging it; call before ``hvd.init()``.
 
@@ -73,9 +65,29 @@ def configure_mpi_progress(env: dict[str, str] | None = None) -> None:
     1683-1899 images/s, -np 4 from 872-901 to 1739-1780.  A user's explicit setting wins.
     """
     env = os.environ if env is None else env
-    local = env.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    if local and local.isdigit() and int(local) >= available_cores():
+    local = ranks_on_this_host(env)
+    if local and local >= available_cores():
         env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+
+
+def ranks_on_this_host(env: dict[str, str]) -> int | None:
+    """How many ranks of this job share this host, as the launcher tells its ranks before
+    ``MPI_Init``: mpirun and horovodrun (``OMPI_COMM_WORLD_LOCAL_SIZE``), else Slurm's ``srun``
+    (``--mpi=pmix`` sets no ``OMPI_*`` rank variables; ``SLURM_STEP_TASKS_PER_NODE`` reads like
+    ``2(x3),1``, one count per node, ``SLURM_NODEID`` picks ours).  None when nobody says."""
+    local = env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
+    if local.isdigit():
+        return int(local)
+    per_node, node = env.get("SLURM_STEP_TASKS_PER_NODE", ""), env.get("SLURM_NODEID", "0")
+    if not per_node or not node.isdigit():
+        return None
+    counts: list[int] = []
+    for part in per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[int(node)] if int(node) < len(counts) else None
 
 
 def uses_gloo(env: dict[str, str]) -> bool:

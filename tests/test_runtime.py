@@ -16,6 +16,16 @@ def test_mpi_yields_when_ranks_fill_the_cores(monkeypatch):
         assert env["OMPI_MCA_mpi_yield_when_idle"] == "1"
 
 
+def test_mpi_yields_under_srun_which_sets_no_open_mpi_rank_variables(monkeypatch):
+    """srun --mpi=pmix (README's Slurm script) starts the ranks itself: the count comes from Slurm."""
+    monkeypatch.setattr(runtime, "available_cores", lambda: 2)
+    for per_node, node_id, yields in (("2", "0", True), ("1(x2)", "1", False), ("1,3(x2)", "2", True),
+                                      ("4(x2)", "5", False), ("garbage", "0", False)):
+        env = {"SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_NODEID": node_id}
+        runtime.configure_mpi_progress(env)
+        assert ("OMPI_MCA_mpi_yield_when_idle" in env) == yields, (per_node, node_id)
+
+
 def test_mpi_keeps_polling_with_spare_cores_or_without_mpirun(monkeypatch):
     monkeypatch.setattr(runtime, "available_cores", lambda: 8)
     env = {"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
