@@ -1,6 +1,7 @@
 # Everyday commands.  `make setup` is idempotent: the first run installs Open MPI, the pinned
 # framework stack and builds Horovod (~10 min on 2 cores); later runs reuse the cached build.
-VENV ?= .venv
+# .ci/setup's RINGTRAIN_VENV, when set, is the venv every target uses.
+VENV ?= $(or $(RINGTRAIN_VENV),.venv)
 PY := $(VENV)/bin/python
 NP ?= 4
 ARGS ?=

@@ -20,15 +20,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
+def run(argv=None) -> int:
+    """The job; bad input raises :class:`launch.errors.UserError`."""
     parser = build_parser()
     args = parser.parse_args(argv)
     framework = args.__dict__.pop("framework")
     cli.validate(args)
-    from launch.frameworks import import_trainer
+    from launch.job import main_with
 
-    return import_trainer(framework).main_with(args)
+    return main_with(framework, args)
+
+
+def main(argv=None) -> None:
+    """Entry point of ``python -m launch`` and of the ``ringtrain`` console script (setup.cfg).
+
+    The console script calls ``sys.exit(main())``, so the one-line error path must live here, not
+    only under ``__main__``: it once ended in a ``UserError`` traceback with exit status 1.
+    """
+    run_cli(lambda: run(argv))
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    main()

@@ -9,15 +9,25 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from launch import dataset, models
 from launch.errors import UserError, fail
 from launch.lr import DECAY_RULES, SCALING_RULES
-from launch.mnist import TRAIN_SIZE
 
 FRAMEWORKS = ("torch", "tf")
 
 
 def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the trainer flags (shared by both frameworks) to ``parser``."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default="cnn",
+                   help="cnn (default: the reference CNN), mlp (one hidden layer), or "
+                        "package.module:function, your own builder: called as function("
+                        "input_shape=..., num_classes=...), it returns a torch.nn.Module "
+                        "(--framework torch) or a keras.Model (tf) mapping a batch of inputs to "
+                        "logits; see README")
+    g.add_argument("--dropout", type=float, default=0.5,
+                   help="dropout before the classifier of the built-in models (default 0.5)")
+
     g = parser.add_argument_group("training")
     g.add_argument("--epochs", type=int, default=4, help="passes over the training set (default 4)")
     g.add_argument("--batch-size", type=int, default=64,
@@ -32,7 +42,6 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--lr-decay", choices=DECAY_RULES, default="cosine",
                    help="after warm-up: cosine-anneal the LR to 0 by the last epoch, or keep it")
     g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9; 0 = plain SGD)")
-    g.add_argument("--dropout", type=float, default=0.5, help="dropout before the classifier (default 0.5)")
     g.add_argument("--seed", type=int, default=42,
                    help="seeds weights (rank 0's are broadcast) and the per-epoch data order")
     g.add_argument("--amp", action="store_true",
@@ -69,8 +78,9 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="with --elastic: commit the training state every N steps; a lost worker "
                         "costs at most N steps of redone work (default 20)")
     g.add_argument("--stall-timeout", type=float, default=120.0,
-                   help="seconds a rank may lag its peers' collectives before Horovod's stall "
-                        "check shuts the job down instead of hanging (default 120; 0 = never)")
+                   help="seconds without a finished step or collective (a frozen, dead, cut-off or "
+                        "stuck rank) before the watchdog ends the job with one line naming the rank, "
+                        "instead of hanging; also arms Horovod's stall check (default 120; 0 = never)")
 
     g = parser.add_argument_group("output")
     g.add_argument("--checkpoint-dir", default=None,
@@ -80,6 +90,11 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--metrics-out", default=None,
                    help="rank 0 writes a JSON summary here (framework, world size, per-epoch "
                         "metrics, per-rank parameter checksums)")
+    g.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="rank 0 writes TensorBoard scalars here after every epoch (train loss, "
+                        "test loss, test accuracy, LR, images/s); view with: tensorboard --logdir DIR")
+    g.add_argument("--tensorboard-steps", action="store_true",
+                   help="with --tensorboard: also write rank 0's loss and the LR after every step")
     g.add_argument("--no-progress", action="store_true", help="no progress bar, only epoch lines")
     return parser
 
@@ -108,8 +123,9 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     for flag, value in positive.items():
         if value <= 0:
             raise UserError(f"{flag} must be a positive integer, got {value}")
-    if args.train_samples is not None and not 1 <= args.train_samples <= TRAIN_SIZE:
-        raise UserError(f"--train-samples must be between 1 and {TRAIN_SIZE} (the MNIST training "
+    train_size = dataset.get().train_size
+    if args.train_samples is not None and not 1 <= args.train_samples <= train_size:
+        raise UserError(f"--train-samples must be between 1 and {train_size} (the training "
                         f"set), got {args.train_samples}")
     if args.test_samples is not None and args.test_samples <= 0:
         raise UserError(f"--test-samples must be positive, got {args.test_samples}")
@@ -136,6 +152,9 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         raise UserError(f"--stall-timeout must be >= 0 seconds, got {args.stall_timeout}")
     if args.resume and not args.checkpoint_dir:
         raise UserError("--resume needs --checkpoint-dir (the folder to resume from)")
+    if args.tensorboard_steps and not args.tensorboard:
+        raise UserError("--tensorboard-steps needs --tensorboard DIR (where to write)")
+    models.check_spec(args.model)
     return args
 
 
@@ -144,7 +163,7 @@ def validate_world(args: argparse.Namespace, world_size: int) -> None:
     if args.adasum and world_size & (world_size - 1):
         raise UserError(f"--adasum needs a power-of-two number of processes, not {world_size}; run "
                         f"2, 4, 8... processes or drop --adasum")
-    n = args.train_samples or TRAIN_SIZE
+    n = args.train_samples or dataset.get().train_size
     if n < world_size:
         raise UserError(f"--train-samples {n} is smaller than the world size {world_size}: every "
                         f"rank needs at least one image; raise it or run fewer processes")

@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from launch import dataset, watchdog
 from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
-from launch.report import EpochRecord, Reporter
-from launch.sharding import remaining_shard
+from launch.report import EpochRecord
+from launch.sharding import remaining_shard, steps_per_epoch
 
 LAUNCH_HINT = ("horovodrun -np 2 --min-np 1 --max-np 4 --host-discovery-script "
                "launch/discover_hosts.sh python -m launch.torch_mnist --elastic")
@@ -47,19 +48,36 @@ def local_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(train images, train labels, test images, test labels), uint8 images, read by this worker
     alone: a broadcast here would be a collective outside the elastic loop, which a worker
     joining mid-run would never be matched with.  Sharding happens later, per world."""
-    from launch import mnist
-
-    data = mnist.load(args.data_dir)
+    data = dataset.get().load(args.data_dir)
     n_train = args.train_samples or len(data.train_labels)
     n_test = min(args.test_samples or len(data.test_labels), len(data.test_labels))
     return (data.train_images[:n_train], data.train_labels[:n_train],
             data.test_images[:n_test], data.test_labels[:n_test])
 
 
-def epoch_progress(epoch: int, consumed: int, num_samples: int) -> float:
-    """Fractional epochs done, by samples consumed: the LR schedule's clock, which does not care
-    how many workers consumed them."""
-    return epoch - 1 + consumed / num_samples
+def epoch_steps(num_samples: int, world_size: int, batch_size: int, backward_passes: int,
+                max_steps: int | None = None) -> int:
+    """Optimizer steps per rank over ``num_samples`` samples: the fixed trainers' rule
+    (:func:`launch.sharding.optimizer_steps`: batches, the last one possibly partial, grouped by
+    ``backward_passes``, trailing batches that fill no group dropped), without its refusal of too
+    little data, which mid-epoch only means that no step is left."""
+    steps = steps_per_epoch(num_samples, world_size, batch_size) // backward_passes
+    return min(steps, max_steps) if max_steps else steps
+
+
+def epoch_progress(epoch: int, consumed: int, num_samples: int, world_size: int, batch_size: int,
+                   backward_passes: int, max_steps: int | None = None) -> float:
+    """Fractional epochs done: the LR schedule's clock.
+
+    The fixed trainers run ``epoch - 1 + step / steps``; after s steps in a world of N ranks the
+    elastic job has consumed ``s * batch * K * N`` samples, so ``consumed / (batch * K * N *
+    steps)`` is the same clock, to the bit (both are correctly rounded quotients of the same
+    rational), also when a partial last batch makes ``steps`` batches hold fewer samples than
+    that.  After a resize the clock runs on for the new world from the same ``consumed``.
+    """
+    steps = epoch_steps(num_samples, world_size, batch_size, backward_passes, max_steps)
+    per_step = batch_size * backward_passes * world_size
+    return epoch - 1 + min(consumed / (per_step * max(steps, 1)), 1.0)
 
 
 # --- the loop both frameworks run inside hvd.elastic.run ---------------------------------------
@@ -79,54 +97,57 @@ class Glue:
     rank: int
     size: int
     step: Callable[[np.ndarray, float], tuple[float, int]]  # (this rank's indices, lr) -> (loss sum, n)
-    sum_across_ranks: Callable[[list[float]], list[float]]  # a Sum allreduce (a collective)
-    evaluate: Callable[[], tuple[float, float]]  # exact global (test loss, test accuracy)
+    eval_sums: Callable[[], list[float]]  # this rank's test (loss sum, correct, count)
     save_checkpoint: Callable[[int], None]  # rank 0, after each epoch (a no-op without a folder)
 
 
-def run_epochs(state, args, n_train: int, glue: Glue, report: Reporter) -> tuple[float, float]:
+def run_epochs(state, args, n_train: int, glue: Glue, job) -> tuple[float, float]:
     """Train from ``state``'s position to the last epoch; return the final (test loss, accuracy).
 
     Called again after every membership change, with ``state`` restored to its last commit and
     synced from rank 0: everything that depends on the world size is derived here, from
-    ``glue.size``, never carried over.
+    ``glue.size``, never carried over.  ``job`` is this world's :class:`launch.job.Job`: steps,
+    sums, evaluation and the epoch's report go through it, as in a fixed-size run.
     """
     k, batch = args.backward_passes_per_step, args.batch_size
+    job.n_train = n_train
+    watchdog.new_world(glue.rank, glue.size)  # the job re-formed: progress, with a new rank
     target_lr = scaled_lr(args.base_lr, glue.size, args.lr_scaling)
     if not state.resizes or state.resizes[-1]["world_size"] != glue.size:
         state.resizes.append({"epoch": state.epoch, "consumed": state.consumed,
                               "world_size": glue.size, "target_lr": target_lr})
-        report.info(f"elastic: {glue.size} worker(s) from epoch {state.epoch}, sample "
-                    f"{state.consumed}/{n_train}: lr {args.base_lr:g} -> {target_lr:g}, "
-                    f"global batch {batch * glue.size * k}")
+        job.info(f"elastic: {glue.size} worker(s) from epoch {state.epoch}, sample "
+                 f"{state.consumed}/{n_train}: lr {args.base_lr:g} -> {target_lr:g}, "
+                 f"global batch {batch * glue.size * k}")
     result = None
     while state.epoch <= args.epochs:
         epoch = state.epoch
         shard = remaining_shard(n_train, state.consumed, glue.rank, glue.size, args.seed, epoch,
                                 shuffle=not args.no_shuffle)
-        steps = len(shard) // (batch * k) + (1 if k == 1 and len(shard) % batch else 0)
+        steps = epoch_steps(len(shard), 1, batch, k)  # the fixed trainers' count, for the rest
         if args.max_steps:
             steps = max(0, min(steps, args.max_steps - state.epoch_steps))
         done_before, pending, lr = state.epoch_steps, [0.0, 0.0], target_lr
         for step in range(steps):
-            lr = lr_at(epoch_progress(epoch, state.consumed, n_train), args.base_lr, target_lr,
-                       args.warmup_epochs, args.epochs, args.lr_decay)
+            lr = lr_at(epoch_progress(epoch, state.consumed, n_train, glue.size, batch, k,
+                                      args.max_steps),
+                       args.base_lr, target_lr, args.warmup_epochs, args.epochs, args.lr_decay)
             loss_sum, used = glue.step(shard[step * batch * k:][:batch * k], lr)
             pending = [pending[0] + loss_sum, pending[1] + used]
             state.consumed += used * glue.size  # a strided prefix per rank is a prefix of the order
             state.epoch_steps += 1
-            report.step(epoch, args.epochs, state.epoch_steps, done_before + steps,
-                        loss_sum / max(used, 1))
+            job.step_done(epoch, state.epoch_steps, done_before + steps,
+                          loss=loss_sum / max(used, 1), lr=lr, consumed=state.consumed)
             if (step + 1) % args.commit_every == 0 and step + 1 < steps:
-                pending = _fold(state, pending, glue)
+                pending = _fold(state, pending, job)
                 state.commit()
-        _fold(state, pending, glue)
-        test_loss, test_acc = glue.evaluate()
+        _fold(state, pending, job)
+        test_loss, test_acc = job.evaluate(glue.eval_sums)
         seconds = time.time() - state.epoch_started
         rec = EpochRecord(epoch=epoch, train_loss=state.loss_sum[0] / max(state.loss_sum[1], 1),
                           test_loss=test_loss, test_accuracy=test_acc, lr=lr, seconds=seconds,
                           images_per_second=state.loss_sum[1] / seconds)
-        report.epoch(rec, args.epochs)
+        job.epoch_done(rec)
         if glue.rank == 0:
             glue.save_checkpoint(epoch)
         state.records.append(asdict(rec))
@@ -138,7 +159,7 @@ def run_epochs(state, args, n_train: int, glue: Glue, report: Reporter) -> tuple
         result = (test_loss, test_acc)
     if result is None:
         last = state.records[-1] if state.records else None
-        result = (last["test_loss"], last["test_accuracy"]) if last else glue.evaluate()
+        result = (last["test_loss"], last["test_accuracy"]) if last else job.evaluate(glue.eval_sums)
     return result
 
 
@@ -152,9 +173,9 @@ def summary_fields(state, args, glue: Glue) -> dict[str, Any]:
             "elastic_resizes": list(state.resizes)}
 
 
-def _fold(state, pending: list[float], glue: Glue) -> list[float]:
+def _fold(state, pending: list[float], job) -> list[float]:
     """Add every rank's loss since the last commit to the committed epoch total (a collective, so
     the epoch's train loss survives ranks that leave); return the emptied pending sums."""
-    total = glue.sum_across_ranks(pending)
+    total = job.sum(pending, "elastic_sums")
     state.loss_sum = [state.loss_sum[0] + total[0], state.loss_sum[1] + total[1]]
     return [0.0, 0.0]

@@ -1,5 +1,8 @@
 """MNIST from the four canonical IDX ``.gz`` files, shared by both frameworks.
 
+:data:`DATASET` is MNIST behind the dataset seam (:mod:`launch.dataset`); nothing else in
+ringtrain imports this module's constants.
+
 Both trainers read the same bytes through this module so that, for the same seed and epoch, they
 see the same images in the same order.  Files are verified by MD5 before parsing: a half-downloaded
 or substituted file fails here with one clear line instead of deep inside a training step.
@@ -155,7 +158,8 @@ def load(data_dir: str | os.PathLike | None = None, download: bool = True) -> Mn
 
 
 def normalize(images: np.ndarray) -> np.ndarray:
-    """uint8 [N, 28, 28] -> float32 [N, 28, 28] scaled like torchvision's ToTensor + Normalize."""
+    """uint8 [N, 28, 28] -> float32 [N, 28, 28] scaled like torchvision's ToTensor + Normalize:
+    ``(pixel / 255 - PIXEL_MEAN) / PIXEL_STD``."""
     # In place, same operations in the same order: one float32 copy instead of four (the whole
     # training set is ~190 MB as float32, and every rank on the host holds its own).
     out = images.astype(np.float32)
@@ -165,35 +169,22 @@ def normalize(images: np.ndarray) -> np.ndarray:
     return out
 
 
-def load_on_all_ranks(data_dir: str | None, rank: int, broadcast_object) -> Mnist:
-    """Load MNIST in a job: rank 0 alone may download; the others wait for its verdict.
+@dataclass(frozen=True)
+class MnistDataset:
+    """MNIST behind the :class:`launch.dataset.Dataset` interface (the trainers' only view of it)."""
 
-    ``broadcast_object`` is the framework's ``hvd.broadcast_object``.  Rank 0's error (missing
-    files offline, wrong MD5) is sent to every rank so all of them exit with the same line instead
-    of the others hanging in the next collective.
-    """
-    data, problem = None, None
-    if rank == 0:
-        try:
-            data = load(data_dir, download=True)
-        except UserError as err:
-            problem = str(err)
-    # An explicit name: Horovod's default is the object's type, which differs (str vs None)
-    # exactly when rank 0 has something to report, and mismatched names hang the job.
-    problem = broadcast_object(problem, root_rank=0, name="mnist_problem")
-    if problem is not None:
-        raise UserError(problem)
-    return data if data is not None else load(data_dir, download=False)
+    name: str = "mnist"
+    input_shape: tuple[int, int, int] = (28, 28, 1)
+    num_classes: int = 10
+    train_size: int = TRAIN_SIZE
+    mean: float = PIXEL_MEAN
+    std: float = PIXEL_STD
+
+    def load(self, data_dir: str | os.PathLike | None = None, download: bool = True) -> Mnist:
+        return load(data_dir, download)
+
+    def normalize(self, images: np.ndarray) -> np.ndarray:
+        return normalize(images)
 
 
-def rank_view(data: Mnist, train_samples: int | None, test_samples: int | None, rank: int,
-              world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(train images, train labels, test images, test labels) as one rank uses them: the first
-    ``train_samples`` training images (sharded per epoch later) and this rank's strided test shard."""
-    from launch.sharding import eval_indices
-
-    n_train = train_samples or len(data.train_labels)
-    test_idx = eval_indices(min(test_samples or len(data.test_labels), len(data.test_labels)),
-                            rank, world_size)
-    return (data.train_images[:n_train], data.train_labels[:n_train],
-            data.test_images[test_idx], data.test_labels[test_idx])
+DATASET = MnistDataset()

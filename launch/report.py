@@ -1,5 +1,8 @@
 """What the user sees and keeps: progress, epoch lines, the JSON summary.  Rank 0 only.
 
+One display for both frameworks and both loops (fixed and elastic): :class:`Reporter`, driven by
+:class:`launch.job.Job`.
+
 Other ranks construct a silent :class:`Reporter` so trainer code never branches on rank for
 output; N ranks printing the same progress bar into one terminal is noise, not information.
 """
@@ -13,7 +16,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +82,8 @@ class Summary:
     param_count: int = 0
     resumed_from_epoch: int | None = None
     elastic_resizes: list[dict[str, Any]] | None = None  # (epoch, sample, world size) changes
+    model: str = "cnn"  # --model: a built-in name or the user's package.module:function
+    dataset: str = "mnist"
     host: dict[str, Any] = field(default_factory=lambda: {
         "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()})
 
@@ -100,8 +105,10 @@ class Reporter:
             self.stream.write(message + "\n")
             self.stream.flush()
 
-    def step(self, epoch: int, epochs: int, step: int, steps: int, loss: float | None) -> None:
-        """Redraw the bar at most ~10 times a second."""
+    def step(self, epoch: int, epochs: int, step: int, steps: int,
+             loss: float | Callable[[], float] | None) -> None:
+        """Redraw the bar at most ~10 times a second.  A callable ``loss`` is called only when the
+        bar is drawn (reading a GPU tensor's value waits for the GPU)."""
         if not self.progress:
             return
         now = time.monotonic()
@@ -111,6 +118,8 @@ class Reporter:
         width = 30
         filled = int(width * step / max(steps, 1))
         bar = "#" * filled + "." * (width - filled)
+        if callable(loss):
+            loss = loss()
         tail = f" loss {loss:.4f}" if loss is not None else ""
         self.stream.write(f"\repoch {epoch}/{epochs} [{bar}] {step}/{steps}{tail}")
         if step >= steps:
@@ -127,17 +136,3 @@ class Reporter:
     def write_summary(self, path: str | None, summary: Summary) -> None:
         if self.enabled and path:
             atomic_write_bytes(path, summary.to_json().encode())
-
-    def finish(self, summary: Summary, *, test_loss: float, test_acc: float, train_seconds: float,
-               images_seen: float, params: Iterable[np.ndarray], allgather_object,
-               metrics_out: str | None) -> Summary:
-        """Close the run on every rank: gather each rank's parameter checksum (a collective, so
-        all ranks call this), then rank 0 writes the summary and prints the final line."""
-        summary.final_test_loss, summary.final_test_accuracy = test_loss, test_acc
-        summary.total_seconds = train_seconds
-        summary.images_per_second = images_seen / train_seconds if train_seconds else 0.0
-        summary.param_checksums = allgather_object(param_checksum(params), name="checksums")
-        self.write_summary(metrics_out, summary)
-        self.info(f"final test accuracy {100 * test_acc:.2f}% ({summary.images_per_second:.0f} "
-                  f"img/s over {train_seconds:.1f}s of training)")
-        return summary

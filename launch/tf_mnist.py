@@ -7,9 +7,9 @@ def main(argv=None) -> int:
     from launch import cli
 
     args = cli.parse("tf", argv)  # flags are checked before the framework is imported
-    from launch.frameworks import import_trainer
+    from launch.job import main_with
 
-    return import_trainer("tf").main_with(args)
+    return main_with("tf", args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SMALL = ["--train-samples", "1024", "--test-samples", "500", "--batch-size", "32", "--no-progress"]
+# What every --metrics-out summary holds, in both frameworks (fields may be added, never renamed).
+SUMMARY_KEYS = {"framework", "versions", "controller", "world_size", "batch_size_per_rank",
+                "global_batch_size", "base_lr", "effective_lr", "lr_scaling", "epochs",
+                "final_test_accuracy", "final_test_loss", "total_seconds", "images_per_second",
+                "param_checksums", "param_count", "resumed_from_epoch", "host", "model", "dataset"}
 
 
 def launch_cmd(module: str, args: list[str], np: int = 2, how: str = "horovodrun") -> list[str]:

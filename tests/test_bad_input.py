@@ -6,7 +6,7 @@ import shutil
 import sys
 
 import pytest
-from conftest import requires_horovod, run, train
+from conftest import BIN, requires_horovod, run, train
 from test_mnist import SHARED
 
 from launch import mnist
@@ -38,6 +38,20 @@ def one_error_line(proc, *needles: str) -> str:
 ])
 def test_bad_flags(module, flags, needle):
     one_error_line(run([sys.executable, "-m", module, *flags]), needle)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--framework", "torch", "--batch-size", "0"], "--batch-size must be a positive integer"),
+    (["--framework", "jax"], "invalid choice: 'jax'"),
+])
+def test_console_script_gives_one_line(flags, needle):
+    """The installed ``ringtrain`` script (``sys.exit(main())``) takes the same one-line error path
+    as ``python -m launch``; it once ended in a UserError traceback with exit status 1.  The
+    script imports this checkout: conftest.run puts it first on PYTHONPATH."""
+    script = BIN / "ringtrain"
+    if not script.exists():
+        pytest.skip(f"{script} is not installed (pip install -e . installs it)")
+    one_error_line(run([str(script), *flags]), needle)
 
 
 def test_unknown_framework():

@@ -4,6 +4,18 @@ The two "hosts" are ``localhost`` and ``127.0.0.1``: Horovod's driver tells host
 runs both locally (both addresses belong to this machine), so host membership changes need no
 second machine.  The tests edit the discovery file or SIGKILL a worker mid-run, then check the
 job's own account of it (the summary's ``elastic_resizes``) and the result.
+
+The grow, shrink and kill tests wait for the event they test instead of racing it.  Horovod's
+driver polls the discovery script every second and notifies rank 0, which acts at its next
+commit; a job that finishes first never sees the change (``world_sizes == [2]`` on a fresh, fast
+machine).  So these jobs run the unchanged trainer under ``tests/elastic_gate.py``, which holds
+rank 0 at its first commit (epoch 1, step 4 of 48 per worker) until Horovod's worker has received
+the host-update notification (grow, shrink), or until the test has killed a worker and released
+it (kill).  Training cannot outrun the event, whatever the machine's speed: the first commit is
+reached before the test changes anything, and no further step runs until the change is seen.  A
+slow machine only waits longer for the same commit; the gate gives up after 240 s and fails the
+job rather than hang.  And since the change always lands at that commit, the tests also know
+exactly where the job re-formed: epoch 1, after 4 steps of every worker.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ pytestmark = requires_horovod
 
 MODULES = ["launch.torch_mnist", "launch.tf_mnist"]
 DISCOVER = REPO / "launch" / "discover_hosts.sh"
+GATE = REPO / "tests" / "elastic_gate.py"
 JOB = ["--train-samples", "1536", "--test-samples", "500", "--batch-size", "32", "--no-progress",
        "--commit-every", "4", "--seed", "3"]
 
@@ -34,15 +47,24 @@ class ElasticJob:
     """A running elastic job whose output lines are collected as they arrive."""
 
     def __init__(self, tmp_path: Path, module: str, hosts: list[str], np: int, max_np: int,
-                 epochs: int, extra: list[str] = ()):
+                 epochs: int, extra: list[str] = (), gate_until: str | None = None):
+        """``gate_until``: run under tests/elastic_gate.py, rank 0 held at its first commit until
+        ``host-update`` arrives or the test calls :meth:`release`."""
         self.module = module
         self.hosts_file = tmp_path / "hosts.txt"
         self.set_hosts(hosts)
         self.metrics_path = tmp_path / "metrics.json"
+        self.gate = tmp_path / "gate"
+        trainer = ["-m", module]
+        if gate_until:
+            trainer = [str(GATE), str(self.gate), gate_until, module]
+        # A re-formed world waits at Horovod's rendezvous for a newcomer, which is started only
+        # then and must first import its framework: 30 s (Gloo's default) once ran out here for a
+        # TF newcomer, under a load average of 25 on 2 cores.  A slow machine should only be slower.
         cmd = [str(BIN / "horovodrun"), "-np", str(np), "--min-np", "1", "--max-np", str(max_np),
                "--host-discovery-script", str(DISCOVER), "--network-interface", "lo",
-               sys.executable, "-m", module, "--elastic", *JOB, *extra, "--epochs", str(epochs),
-               "--metrics-out", str(self.metrics_path)]
+               "--gloo-timeout-seconds", "180", sys.executable, *trainer, "--elastic", *JOB, *extra,
+               "--epochs", str(epochs), "--metrics-out", str(self.metrics_path)]
         # Horovod sees each "host" as having one worker, which would then take every core of the
         # machine: two workers, four busy threads on two cores, 5x slower.
         self.threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
@@ -73,6 +95,18 @@ class ElasticJob:
                 self.kill()
                 pytest.fail(f"never saw {pattern!r}:\n{self.output()[-4000:]}")
             time.sleep(0.2)
+
+    def wait_until_held(self, timeout: float = 150) -> None:
+        """Until the gate holds rank 0 at its first commit: the first world has formed and trained."""
+        deadline = time.monotonic() + timeout
+        while not (self.gate / "held").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"the gate never held rank 0:\n{self.output()[-4000:]}")
+            time.sleep(0.2)
+
+    def release(self) -> None:
+        (self.gate / "release").write_text("")
 
     def finish(self, timeout: float = 240) -> dict:
         try:
@@ -119,21 +153,27 @@ def check_trained(summary: dict, epochs: int) -> None:
     assert len(set(summary["param_checksums"])) == 1, summary["param_checksums"]
 
 
+def resized_at(summary: dict) -> tuple[int, int]:
+    """(epoch, samples consumed in it) where the job re-formed: the gate's commit, by design."""
+    resize = summary["elastic_resizes"][1]
+    return resize["epoch"], resize["consumed"]
+
+
+FIRST_COMMIT = 4 * 32  # --commit-every 4 steps of --batch-size 32, per worker
+
+
 @pytest.mark.parametrize("module", MODULES)
 def test_elastic_grows_when_a_host_is_added(module, tmp_path):
-    """1 worker, then a second host appears in the discovery output: the job re-forms at the next
-    commit, the newcomer gets rank 0's weights and optimizer state, the LR doubles, and both
-    workers end with identical weights.  (Enough data that the newcomer, which must import its
-    framework first, joins well before the end.)"""
+    """1 worker, then a second host appears in the discovery output: the job re-forms at the
+    commit where the notification reached it, the newcomer gets rank 0's weights and optimizer
+    state, the LR doubles, and both workers end with identical weights."""
     job = ElasticJob(tmp_path, module, ["localhost:1"], np=1, max_np=2, epochs=3,
-                     extra=["--train-samples", "8192"])
-    job.wait_for(r"elastic: 1 worker")
+                     gate_until="host-update")
+    job.wait_until_held()
     job.set_hosts(["localhost:1", "127.0.0.1:1"])
     summary = job.finish()
     assert world_sizes(summary) == [1, 2]
-    joined = summary["elastic_resizes"][1]
-    assert (joined["epoch"] - 1) * 8192 + joined["consumed"] > 0, "joined mid-run, at a commit"
-    assert joined["consumed"] % (4 * 32) == 0, "a commit comes every 4 steps of 32 on one worker"
+    assert resized_at(summary) == (1, FIRST_COMMIT), "joined mid-epoch, at the held commit"
     base = summary["base_lr"]
     assert [r["target_lr"] for r in summary["elastic_resizes"]] == pytest.approx([base, 2 * base])
     assert summary["world_size"] == 2 and len(summary["param_checksums"]) == 2
@@ -143,12 +183,14 @@ def test_elastic_grows_when_a_host_is_added(module, tmp_path):
 @pytest.mark.parametrize("module", MODULES)
 def test_elastic_shrinks_when_a_host_is_removed(module, tmp_path):
     """A host leaves the discovery output: its worker is stopped, the other carries on alone
-    from the last commit with the single-worker LR."""
-    job = ElasticJob(tmp_path, module, ["localhost:1", "127.0.0.1:1"], np=2, max_np=2, epochs=3)
-    job.wait_for(r"epoch 1/3:")
+    from that commit with the single-worker LR."""
+    job = ElasticJob(tmp_path, module, ["localhost:1", "127.0.0.1:1"], np=2, max_np=2, epochs=3,
+                     gate_until="host-update")
+    job.wait_until_held()
     job.set_hosts(["localhost:1"])
     summary = job.finish()
     assert world_sizes(summary) == [2, 1]
+    assert resized_at(summary) == (1, 2 * FIRST_COMMIT)
     assert summary["elastic_resizes"][1]["target_lr"] == pytest.approx(summary["base_lr"])
     check_trained(summary, 3)
 
@@ -156,35 +198,46 @@ def test_elastic_shrinks_when_a_host_is_removed(module, tmp_path):
 @pytest.mark.parametrize("module", MODULES)
 @pytest.mark.parametrize("victim_rank", [0, 1])
 def test_elastic_survives_a_killed_worker(module, victim_rank, tmp_path):
-    """SIGKILL one of two workers mid-run (rank 0 too: the survivor becomes rank 0 and its own
+    """SIGKILL one of two workers mid-epoch (rank 0 too: the survivor becomes rank 0 and its own
     committed state is what the job continues from): the survivor rolls back to the last commit,
-    carries on alone with the single-worker LR, finishes every epoch and exits 0."""
-    job = ElasticJob(tmp_path, module, ["localhost:1", "127.0.0.1:1"], np=2, max_np=2, epochs=3)
-    job.wait_for(r"epoch 1/3:")
+    carries on alone with the single-worker LR, finishes every epoch and exits 0.  The kill lands
+    while rank 0 is held at the first commit and rank 1 waits for it in a broadcast."""
+    job = ElasticJob(tmp_path, module, ["localhost:1", "127.0.0.1:1"], np=2, max_np=2, epochs=3,
+                     gate_until="release")
+    job.wait_until_held()
     workers = job.workers("localhost") + job.workers("127.0.0.1")
     victims = [p for p in workers if p.environ().get("HOROVOD_RANK") == str(victim_rank)]
     assert len(workers) == 2 and len(victims) == 1, [p.environ().get("HOROVOD_RANK") for p in workers]
     victims[0].send_signal(signal.SIGKILL)
+    psutil.wait_procs(victims, timeout=30)
+    job.release()
     job.wait_for(r"elastic: 1 worker")
     summary = job.finish()
     assert world_sizes(summary) == [2, 1]
+    assert resized_at(summary) == (1, 2 * FIRST_COMMIT), "rolled back to the held commit"
     assert summary["elastic_resizes"][1]["target_lr"] == pytest.approx(summary["base_lr"])
     check_trained(summary, 3)
     assert not job.workers("127.0.0.1") and not job.workers("localhost")
 
 
+@pytest.mark.parametrize("k", [1, 2], ids=["k1", "k2"])
 @pytest.mark.parametrize("module", MODULES)
-def test_elastic_without_changes_trains_exactly_like_the_fixed_job(module, tmp_path):
+def test_elastic_without_changes_trains_exactly_like_the_fixed_job(module, k, tmp_path):
     """With no worker lost or added, the elastic loop (its commits, its sample-count position, its
     per-step LR) is the same training as the fixed-size trainer over the same controller (Gloo):
-    same per-epoch losses and accuracies, same final weights.  (TF's fixed trainer computes the LR
-    in the graph: it must be lr_at's float32 value exactly, or the two drift apart by epoch 2.)"""
-    job = ElasticJob(tmp_path, module, ["localhost:2"], np=2, max_np=2, epochs=2)
+    same per-epoch losses and accuracies, same final weights.  2000 samples on 2 ranks at batch 32
+    leave a partial last batch (1000 per rank = 31 full batches + 8), and with
+    --backward-passes-per-step 2 the last optimizer step is 32 + 8 images: the elastic loop must
+    count the same steps and run the same LR clock as the fixed trainers (it once dropped that
+    last step and ended with other weights).  (TF's fixed trainer computes the LR in the graph: it
+    must be lr_at's float32 value exactly, or the two drift apart by epoch 2.)"""
+    flags = ["--train-samples", "2000", "--backward-passes-per-step", str(k)]
+    job = ElasticJob(tmp_path, module, ["localhost:2"], np=2, max_np=2, epochs=2, extra=flags)
     elastic = job.finish()
     fixed_out = tmp_path / "fixed.json"
     plain = [a for a in JOB if a not in ("--commit-every", "4")]
-    train(module, [*plain, "--epochs", "2", "--metrics-out", str(fixed_out)], np=2, how="gloo",
-          env={"OMP_NUM_THREADS": job.threads})
+    train(module, [*plain, *flags, "--epochs", "2", "--metrics-out", str(fixed_out)], np=2,
+          how="gloo", env={"OMP_NUM_THREADS": job.threads})
     fixed = json.loads(fixed_out.read_text())
     assert world_sizes(elastic) == [2]
     for key in ("train_loss", "test_loss", "test_accuracy", "lr"):
@@ -234,3 +287,21 @@ def test_tf_peer_failure_rolls_back_but_a_model_error_ends_the_job():
     proc = run([sys.executable, "-c", TELL_APART], timeout=120, stdin=GLOO_PEER_DIED)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:2] == ["model error passed through", "peer failure rolls back"]
+
+
+@pytest.mark.parametrize("n,k,max_steps", [(2000, 1, None), (2000, 2, None), (1536, 1, None),
+                                           (1800, 2, None), (2000, 3, 5)])
+def test_elastic_counts_steps_and_runs_the_lr_clock_like_the_fixed_trainers(n, k, max_steps):
+    """The pure part of the test above, for more shapes: per epoch the elastic loop runs
+    ``optimizer_steps`` steps, and its sample-count clock equals the fixed trainers' step / steps
+    bit for bit at every step."""
+    from launch.elastic import epoch_progress, epoch_steps
+    from launch.sharding import optimizer_steps, remaining_shard
+
+    size, batch = 2, 32
+    steps = optimizer_steps(n, size, batch, k, max_steps)
+    shard = remaining_shard(n, 0, 0, size, 1, 1)
+    assert min(epoch_steps(len(shard), 1, batch, k), max_steps or steps) == steps
+    for s in range(steps):
+        consumed = s * batch * k * size
+        assert epoch_progress(3, consumed, n, size, batch, k, max_steps) == 2 + s / steps

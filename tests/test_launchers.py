@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
 import sys
 
 import pytest
-from conftest import SMALL, metrics, requires_horovod, run, train
+from conftest import REPO, SMALL, metrics, requires_horovod, run, train
 
 MODULES = {"torch": "launch.torch_mnist", "tf": "launch.tf_mnist"}
 QUICK = [*SMALL, "--epochs", "1"]
@@ -51,21 +54,103 @@ def fake_package(root, name: str, body: str) -> None:
     (pkg / "__init__.py").write_text(body)
 
 
-@pytest.mark.parametrize("fw,shadow,needle", [
-    ("tf", "tensorflow", "tensorflow is not installed"),
-    ("torch", "torch", "torch is not installed"),
-    ("tf", "horovod", "Horovod was not built with tensorflow support"),
-])
-def test_missing_framework_is_one_line(fw, shadow, needle, tmp_path):
-    """A missing framework, or a Horovod without it, is named in one line with the fix."""
-    if shadow == "horovod":
-        fake_package(tmp_path, "horovod", "")  # a Horovod with no tensorflow extension
-    else:
-        fake_package(tmp_path, shadow, f'raise ImportError("No module named {shadow}")')
-    from conftest import REPO
+# What TensorFlow 2.21's C++ writes to fd 2 while it loads, one write() per record, on a CPU with
+# AVX512-VNNI (this machine), and the lowest TF_CPP_MIN_LOG_LEVEL at which TF itself still
+# prints it: only cpu_feature_guard's record obeys the variable.
+TF_START_UP_NOISE = [
+    ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n", 3),
+    ("I0000 00:00:1795447680.872803    9914 port.cc:153] oneDNN custom operations are on. You may see "
+     "slightly different numerical results due to floating-point round-off errors from different "
+     "computation orders. To turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`.\n", 3),
+    ("I0000 00:00:1795447681.240148    9914 cpu_feature_guard.cc:227] This TensorFlow binary is "
+     "optimized to use available CPU instructions in performance-critical operations.\nTo enable the "
+     "following instructions: AVX2 AVX512F AVX512_VNNI FMA, in other operations, rebuild TensorFlow "
+     "with the appropriate compiler flags.\n", 0),
+]
+NOISY = f"""import os
+level = int(os.environ.get("TF_CPP_MIN_LOG_LEVEL") or 0)
+for record, up_to in {TF_START_UP_NOISE!r}:
+    if level <= up_to:
+        os.write(2, record.encode())
+"""
+MISSING = 'raise ImportError("No module named {name}")\n'
 
-    proc = run([sys.executable, "-m", "launch", "--framework", fw, *QUICK],
-               env={"PYTHONPATH": f"{tmp_path}:{REPO}"})
+
+def run_as_a_user(cmd: list[str], tmp_path, fakes: dict[str, str], env: dict | None = None):
+    """``cmd`` with the environment a user has: TF_CPP_MIN_LOG_LEVEL unset (the suite's default
+    sets it), the packages in ``fakes`` shadowing real ones, TensorFlow's oneDNN start-up line
+    forced on whatever the CPU (TF_ENABLE_ONEDNN_OPTS=1)."""
+    for name, body in fakes.items():
+        fake_package(tmp_path, name, body.format(name=name))
+    full = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    full.update(PYTHONPATH=f"{tmp_path}:{REPO}", TF_ENABLE_ONEDNN_OPTS="1", **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full, cwd=REPO)
+
+
+def real_tensorflow(reason: str):
+    return pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason=reason)
+
+
+@pytest.mark.parametrize("fw,fakes,needle", [
+    ("tf", {"tensorflow": NOISY + MISSING}, "tensorflow is not installed"),
+    ("torch", {"torch": MISSING}, "torch is not installed"),
+    ("tf", {"tensorflow": NOISY, "horovod": ""}, "Horovod was not built with tensorflow support"),
+    pytest.param("tf", {"horovod": ""}, "Horovod was not built with tensorflow support",
+                 marks=real_tensorflow("needs the real tensorflow"), id="tf-real-tensorflow"),
+], ids=["tf-missing-noisy", "torch-missing", "tf-noisy-no-horovod-ext", None])
+def test_missing_framework_is_one_line(fw, fakes, needle, tmp_path):
+    """A missing framework, or a Horovod without it, is named in one line with the fix, and
+    nothing TensorFlow's C++ prints while it loads comes before it.  CPU-proof: the fakes print
+    TF's start-up records whatever the CPU, and the real TensorFlow is made to print its oneDNN
+    line (test_forced_onednn_line_is_printed shows it does); an empty ``horovod`` package is a
+    Horovod built without the tensorflow extension."""
+    proc = run_as_a_user([sys.executable, "-m", "launch", "--framework", fw, *QUICK], tmp_path, fakes)
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0] and "make setup" in lines[0], proc.stderr
+
+
+@real_tensorflow("needs the real tensorflow")
+def test_forced_onednn_line_is_printed(tmp_path):
+    """The control for the real-TensorFlow case above: unfiltered, with TF_ENABLE_ONEDNN_OPTS=1,
+    TensorFlow prints its oneDNN line on this CPU, so that case would fail without the filter."""
+    proc = run_as_a_user([sys.executable, "-c", "import tensorflow"], tmp_path, {})
+    assert proc.returncode == 0, proc.stderr
+    assert "oneDNN custom operations are on" in proc.stderr, proc.stderr
+
+
+NOISE_THEN_REAL_MESSAGES = NOISY + """
+os.write(2, b"E0000 00:00:1795447681.240149    9914 cuda_dnn.cc:8579] Unable to register cuDNN factory\\n")
+os.write(2, b"a native library's own line\\n")
+import warnings
+warnings.warn("a Python warning from the framework")
+"""
+
+
+def test_tf_start_up_errors_still_reach_the_user(tmp_path):
+    """The filter holds back only TF's log records below the level: an ERROR record, a native
+    line that is no log record, and Python's warnings all come through, before our one line."""
+    proc = run_as_a_user([sys.executable, "-m", "launch", "--framework", "tf", *QUICK], tmp_path,
+                         {"tensorflow": NOISE_THEN_REAL_MESSAGES, "horovod": ""})
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr
+    for shown in ("cuda_dnn.cc:8579] Unable to register cuDNN factory", "a native library's own line",
+                  "UserWarning: a Python warning from the framework"):
+        assert shown in err, err
+    for hidden in ("absl::InitializeLog", "oneDNN", "cpu_feature_guard", "To enable the following"):
+        assert hidden not in err, err
+    assert "Horovod was not built with tensorflow support" in err.strip().splitlines()[-1], err
+
+
+@pytest.mark.parametrize("level,shown", [("0", ["absl::InitializeLog", "oneDNN", "To enable the"]),
+                                         ("1", ["absl::InitializeLog"])])
+def test_tf_start_up_lines_shown_when_the_user_asks(level, shown, tmp_path):
+    """TF_CPP_MIN_LOG_LEVEL set by the user is obeyed, also for the records TF itself lets
+    through: 0 shows everything, 1 the warnings but not the INFO records."""
+    proc = run_as_a_user([sys.executable, "-m", "launch", "--framework", "tf", *QUICK], tmp_path,
+                         {"tensorflow": NOISY, "horovod": ""}, env={"TF_CPP_MIN_LOG_LEVEL": level})
+    assert proc.returncode == 2, proc.stderr
+    for needle in shown:
+        assert needle in proc.stderr, proc.stderr
+    if level == "1":
+        assert "oneDNN" not in proc.stderr and "cpu_feature_guard" not in proc.stderr, proc.stderr

@@ -8,13 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BIN, SMALL, metrics, requires_horovod, run, train
+from conftest import SMALL, SUMMARY_KEYS, metrics, requires_horovod, train
 
 MODULE = "launch.tf_mnist"
-SUMMARY_KEYS = {"framework", "versions", "controller", "world_size", "batch_size_per_rank",
-                "global_batch_size", "base_lr", "effective_lr", "lr_scaling", "epochs",
-                "final_test_accuracy", "final_test_loss", "total_seconds", "images_per_second",
-                "param_checksums", "param_count", "resumed_from_epoch", "host"}
 
 # Runs the trainer like ``python -m launch.tf_mnist``, except that on every rank but 0 the
 # functions that write files raise: a rank other than 0 writing anything fails the job.
@@ -34,20 +30,10 @@ GUARDED_MAIN = textwrap.dedent("""
 """)
 
 
-def horovodrun(script: Path, args: list[str], np_: int = 2, timeout: float = 300):
-    cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", str(BIN / "python"),
-           str(script), *args]
-    proc = run(cmd, timeout=timeout)
-    if proc.returncode != 0:
-        pytest.fail(f"{script.name} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-3000:]}")
-    return proc
-
-
 def guarded_train(tmp: Path, args: list[str]):
     script = tmp / "guarded_main.py"
     script.write_text(GUARDED_MAIN)
-    return horovodrun(script, [*SMALL, *args])
+    return train(str(script), [*SMALL, *args])
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +47,9 @@ def two_epochs(tmp_path_factory):
 # --- in-process --------------------------------------------------------------------------------
 
 def test_model_matches_the_torch_reference():
-    from tf_models.model import MODEL_NAME, build_model
+    from tf_models.model import build_model
 
     model = build_model(dropout=0.5)
-    assert MODEL_NAME == "mnist-cnn-v1"
     assert model.count_params() == 184_586
     assert [tuple(w.shape) for w in model.weights] == [
         (5, 5, 1, 32), (32,), (5, 5, 32, 64), (64,), (1024, 128), (128,), (128, 10), (10,)]
@@ -79,37 +64,6 @@ def test_model_matches_the_torch_reference():
 
 
 @requires_horovod
-def test_warmup_schedule_is_lr_at_and_serialisable():
-    import keras
-    import tensorflow as tf
-
-    from launch.lr import lr_at
-    from tf_models.horovod_keras import WarmupSchedule
-
-    sched = WarmupSchedule(0.01, 0.04, 1.5, steps_per_epoch=10)
-    for step in range(0, 40):
-        want = lr_at(step / 10, 0.01, 0.04, 1.5)
-        assert sched(step) == pytest.approx(want)
-        assert sched(tf.constant(step, tf.int64)).numpy() == np.float32(want)  # bit for bit
-    assert WarmupSchedule(0.01, 0.04, 0, 10)(tf.constant(0)).numpy() == np.float32(0.04)
-    # as the trainer builds it: 469 steps per epoch, 1 epoch of warm-up, cosine over 10 epochs
-    long = WarmupSchedule(0.01, 0.04, 1, 469, total_epochs=10, decay="cosine")
-    steps = np.arange(0, 4690)
-    graph = tf.vectorized_map(long, tf.constant(steps, tf.int64)).numpy()
-    want = np.float32([lr_at(s / 469, 0.01, 0.04, 1, 10, "cosine") for s in steps])
-    assert np.array_equal(graph, want), f"{np.sum(graph != want)} of {len(steps)} steps differ"
-    cosine = WarmupSchedule(0.01, 0.04, 1, 10, total_epochs=4, decay="cosine")
-    for step in range(0, 45):
-        want = lr_at(step / 10, 0.01, 0.04, 1, 4, "cosine")
-        assert cosine(step) == pytest.approx(want)
-        assert cosine(tf.constant(step, tf.int64)).numpy() == np.float32(want)
-
-    opt = keras.optimizers.SGD(learning_rate=sched, momentum=0.9)
-    clone = keras.optimizers.SGD.from_config(opt.get_config())
-    assert clone.get_config()["learning_rate"] == opt.get_config()["learning_rate"]
-
-
-@requires_horovod
 def test_checkpoint_round_trip_and_corrupt_file(tmp_path):
     import argparse
 
@@ -117,42 +71,57 @@ def test_checkpoint_round_trip_and_corrupt_file(tmp_path):
 
     from launch import checkpoint
     from launch.errors import UserError
-    from tf_models import train as tf_train
+    from tf_models import common
     from tf_models.model import build_model
 
-    def fresh(seed):
+    def fresh(seed, lr=0.1):
         keras.utils.set_random_seed(seed)
         net = build_model(0.5)
-        opt = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+        opt = keras.optimizers.SGD(learning_rate=lr, momentum=0.9)
         opt.build(net.trainable_variables)
         return net, opt
 
     net, opt = fresh(1)
     opt.iterations.assign(7)
-    for m in opt.variables[2:]:
+    for m in opt.variables[2:]:  # after the step counter and the LR: the momentum slots
         m.assign(np.full(m.shape, 0.5, np.float32))
-    args = argparse.Namespace(epochs=3, seed=1, resume=False, no_progress=True)
-    tf_train.save_checkpoint(str(tmp_path), 2, net, opt, 184_586, args)
+    args = argparse.Namespace(epochs=3, seed=1, resume=False, no_progress=True, model="cnn")
+    common.save_checkpoint(str(tmp_path), 2, net, opt, "mnist-cnn-v1", 184_586, args)
 
     other, other_opt = fresh(2)
-    epoch = tf_train.load_checkpoint(str(tmp_path), other, other_opt, 184_586, steps=5)
+    epoch = common.load_checkpoint(str(tmp_path), other, other_opt, "mnist-cnn-v1", 184_586)
     assert epoch == 2
     for a, b in zip(net.weights, other.weights, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
-    for a, b in zip(opt.variables[2:], other_opt.variables[2:], strict=True):
+    for a, b in zip(opt.variables, other_opt.variables, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
-    assert int(other_opt.iterations.numpy()) == 2 * 5  # the schedule's position: epoch x steps
+    assert int(other_opt.iterations.numpy()) == 7
 
     checkpoint.path_for(tmp_path, 3, "npz").write_bytes(b"PK\x03\x04 definitely not a zip")
     with pytest.raises(UserError, match="corrupt") as err:
-        tf_train.load_checkpoint(str(tmp_path), other, other_opt, 184_586, steps=5)
+        common.load_checkpoint(str(tmp_path), other, other_opt, "mnist-cnn-v1", 184_586)
     assert "\n" not in str(err.value)
 
     wrong = tmp_path / "wrong"
     wrong.mkdir()
-    tf_train.save_checkpoint(str(wrong), 1, net, opt, 184_586, args)
+    common.save_checkpoint(str(wrong), 1, net, opt, "mnist-cnn-v1", 184_586, args)
     with pytest.raises(UserError, match="belongs to param_count"):
-        tf_train.load_checkpoint(str(wrong), other, other_opt, 123, steps=5)
+        common.load_checkpoint(str(wrong), other, other_opt, "mnist-cnn-v1", 123)
+    with pytest.raises(UserError, match="belongs to model 'mnist-cnn-v1', not 'mnist-mlp-v1'; "
+                                        "resume with --model cnn or use another --checkpoint-dir"):
+        common.load_checkpoint(str(wrong), other, other_opt, "mnist-mlp-v1", 184_586)
+
+    # Checkpoints from before the LR was set per step: the optimizer ran a schedule, which is not
+    # a variable, so they hold one optimizer variable fewer.  They still resume.
+    old = tmp_path / "old"
+    old.mkdir()
+    net, opt = fresh(3, lr=lambda: 0.1)
+    for m in opt.variables[1:]:
+        m.assign(np.full(m.shape, 0.25, np.float32))
+    common.save_checkpoint(str(old), 4, net, opt, "mnist-cnn-v1", 184_586, args)
+    assert common.load_checkpoint(str(old), other, other_opt, "mnist-cnn-v1", 184_586) == 4
+    for a, b in zip(opt.variables[1:], other_opt.variables[2:], strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
 # --- one process -------------------------------------------------------------------------------
@@ -329,5 +298,5 @@ HOROVOD_KERAS_CHECKS = textwrap.dedent("""
 def test_horovod_keras_pieces_under_horovodrun(tmp_path):
     script = tmp_path / "checks.py"
     script.write_text(HOROVOD_KERAS_CHECKS)
-    proc = horovodrun(script, [])
+    proc = train(str(script), [])
     assert proc.stdout.count("horovod_keras checks passed") == 2, proc.stdout

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import SMALL, metrics, requires_horovod, train
+from conftest import SMALL, SUMMARY_KEYS, metrics, requires_horovod, train
 
 pytestmark = requires_horovod
 MODULE = "launch.torch_mnist"
-SUMMARY_KEYS = {"framework", "versions", "controller", "world_size", "batch_size_per_rank",
-                "global_batch_size", "base_lr", "effective_lr", "lr_scaling", "epochs",
-                "final_test_accuracy", "final_test_loss", "total_seconds", "images_per_second",
-                "param_checksums", "param_count", "resumed_from_epoch", "host"}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +34,7 @@ def test_summary_complete(two_epochs):
     _, m, _ = two_epochs
     assert SUMMARY_KEYS <= set(m), SUMMARY_KEYS - set(m)
     assert m["framework"] == "torch" and m["world_size"] == 2 and m["controller"] == "mpi"
-    assert m["param_count"] == 184_586
+    assert m["param_count"] == 184_586 and m["model"] == "cnn" and m["dataset"] == "mnist"
     assert m["effective_lr"] == pytest.approx(0.02)
     assert m["global_batch_size"] == 64
     assert [e["epoch"] for e in m["epochs"]] == [1, 2, 3]

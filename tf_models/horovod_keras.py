@@ -30,8 +30,6 @@ What does work is the layer underneath: ``hvd.broadcast``, ``hvd.allreduce`` and
   one allreduce, one ``optimizer.apply_gradients``.
 * :class:`MetricAverage` turns per-rank running means into exact global ones by summing
   (total, count) across ranks, not by averaging the ranks' averages.
-* :class:`WarmupSchedule` is the shared LR rule (:mod:`launch.lr`: warm-up, then constant or
-  cosine decay) as a per-step Keras schedule.
 
 Every collective here is issued in the same order on every rank with a name that depends only
 on the position of the variable, never on the rank: that is what Horovod matches ranks on.
@@ -50,10 +48,8 @@ import tensorflow as tf
 from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
 
-from launch.lr import DECAY_RULES, lr_at
-
 __all__ = [
-    "BroadcastInitialState", "DistributedModel", "ElasticKerasState", "MetricAverage", "WarmupSchedule",
+    "BroadcastInitialState", "DistributedModel", "ElasticKerasState", "MetricAverage",
     "allreduce_gradients", "allreduce_sums", "broadcast_initial_state", "broadcast_variables",
     "peer_failures_roll_back",
 ]
@@ -324,56 +320,3 @@ class MetricAverage(keras.callbacks.Callback):
             self.totals[metric.name] = (total, count)
             if logs is not None:
                 logs[metric.name] = total / count if count else float("nan")
-
-
-# --- learning rate -----------------------------------------------------------------------------
-
-@keras.saving.register_keras_serializable(package="ringtrain")
-class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """:func:`launch.lr.lr_at` per optimizer step: linear warm-up from ``base_lr`` to
-    ``target_lr`` over ``warmup_epochs`` epochs of ``steps_per_epoch`` steps, then constant
-    (``decay="none"``) or cosine-annealed to zero at ``total_epochs`` (``decay="cosine"``).
-
-    The step is the optimizer's own ``iterations`` counter, so a checkpoint of the optimizer
-    variables carries the position in the schedule and a resumed run continues where it stopped.
-    Called with a Python number it returns ``lr_at`` itself; in a graph it computes the same
-    function with TensorFlow ops (float64, then float32).  ``get_config`` makes the optimizer serialisable
-    (``optimizer.get_config`` / ``from_config``).
-    """
-
-    def __init__(self, base_lr: float, target_lr: float, warmup_epochs: float,
-                 steps_per_epoch: int, total_epochs: float | None = None,
-                 decay: str = "none") -> None:
-        if decay not in DECAY_RULES:
-            raise ValueError(f"unknown LR decay {decay!r}; choose one of {DECAY_RULES}")
-        self.base_lr = float(base_lr)
-        self.target_lr = float(target_lr)
-        self.warmup_epochs = float(warmup_epochs)
-        self.steps_per_epoch = int(steps_per_epoch)
-        self.total_epochs = None if total_epochs is None else float(total_epochs)
-        self.decay = decay
-
-    def __call__(self, step):
-        if isinstance(step, int | float | np.integer | np.floating):
-            return lr_at(float(step) / self.steps_per_epoch, self.base_lr, self.target_lr,
-                         self.warmup_epochs, self.total_epochs, self.decay)
-        # float64, rounded once at the end: the float32 value of lr_at itself, bit for bit (a
-        # float32 computation was 1 ulp off at half the steps, and training amplified it).
-        progress = tf.cast(tf.convert_to_tensor(step), tf.float64) / self.steps_per_epoch
-        warmup = self.warmup_epochs
-        after = tf.constant(self.target_lr, tf.float64)
-        if (self.decay == "cosine" and self.total_epochs is not None
-                and self.total_epochs > warmup):
-            start = max(warmup, 0.0)
-            done = tf.minimum(tf.constant(1.0, tf.float64),
-                              (progress - start) / (self.total_epochs - start))
-            after = self.target_lr * 0.5 * (1.0 + tf.cos(np.pi * done))
-        if warmup <= 0:
-            return tf.cast(after, tf.float32)
-        warming = self.base_lr + (self.target_lr - self.base_lr) * (progress / warmup)
-        return tf.cast(tf.where(progress < warmup, warming, after), tf.float32)
-
-    def get_config(self) -> dict:
-        return {"base_lr": self.base_lr, "target_lr": self.target_lr,
-                "warmup_epochs": self.warmup_epochs, "steps_per_epoch": self.steps_per_epoch,
-                "total_epochs": self.total_epochs, "decay": self.decay}

@@ -1,23 +1,34 @@
-"""The reference CNN (Keras 3 side); ``torch_models.model`` builds the same layers in PyTorch.
+"""``--model`` on the Keras 3 side: the built-in models, and the check every model passes.
 
-conv 5x5x32 -> ReLU -> maxpool 2 -> conv 5x5x64 -> ReLU -> maxpool 2 -> dense 128 -> ReLU
--> dropout -> dense 10 (logits): 184,586 parameters in both frameworks.  Keras is channels-last,
-so images are ``[N, 28, 28, 1]`` here and ``[N, 1, 28, 28]`` in PyTorch; the parameter count,
-the order of the weights (kernel then bias, layer by layer) and the maths are the same.
+The built-ins are the same networks as :mod:`torch_models.model`: ``cnn``, the reference CNN
+(conv 5x5x32 -> ReLU -> maxpool 2 -> conv 5x5x64 -> ReLU -> maxpool 2 -> dense 128 -> ReLU ->
+dropout -> dense logits, 184,586 parameters on MNIST) and ``mlp`` (flatten -> dense 128 -> ReLU ->
+dropout -> dense logits, 101,770).  Keras is channels-last, so images are ``[N, 28, 28, 1]`` here
+and ``[N, 1, 28, 28]`` in PyTorch; the parameter count, the order of the weights (kernel then
+bias, layer by layer) and the maths are the same.
 
 The weights are also *initialised* the PyTorch way (kernels and biases uniform in
 +-1/sqrt(fan_in)), not with Keras' Glorot-uniform kernels and zero biases: same distribution,
 different draws, so both trainers start from statistically identical networks and their training
 curves under the shared LR rule are comparable.  (Glorot's dense-layer weights are about twice as
 large, which makes the first steps at the scaled LR noticeably rougher.)
+
+A user's ``package.module:function`` is called as ``function(input_shape=(H, W, C),
+num_classes=N)`` and must return a ``keras.Model`` mapping ``[B, H, W, C]`` to ``[B, N]`` logits
+(see :mod:`launch.models`).
 """
 
 from __future__ import annotations
 
-import keras
+import math
 
-MODEL_NAME = "mnist-cnn-v1"
-PARAM_COUNT = 184_586
+import keras
+import numpy as np
+
+from launch import models
+from launch.errors import UserError
+
+MNIST_SHAPE = (28, 28, 1)
 
 
 def _torch_init(fan_in: int) -> dict:
@@ -31,7 +42,9 @@ def _torch_init(fan_in: int) -> dict:
     }
 
 
-def build_model(dropout: float = 0.5, dtype_policy: str | None = None) -> keras.Model:
+def build_model(dropout: float = 0.5, dtype_policy: str | None = None,
+                input_shape: tuple[int, int, int] = MNIST_SHAPE, num_classes: int = 10,
+                name: str = "cnn") -> keras.Model:
     """The CNN, built (its variables exist) and returning logits.
 
     ``dtype_policy`` (e.g. ``"mixed_float16"``) is for ``--amp``; the last layer always returns
@@ -39,16 +52,62 @@ def build_model(dropout: float = 0.5, dtype_policy: str | None = None) -> keras.
     """
     policy = dtype_policy or keras.config.dtype_policy().name
     layers = keras.layers
-    inputs = keras.Input(shape=(28, 28, 1), name="image")
+    height, width, channels = input_shape
+    flat = ((height - 4) // 2 - 4) // 2 * ((width - 4) // 2 - 4) // 2 * 64
+    inputs = keras.Input(shape=input_shape, name="image")
     x = layers.Conv2D(32, 5, activation="relu", name="conv1", dtype=policy,
-                      **_torch_init(5 * 5 * 1))(inputs)
+                      **_torch_init(5 * 5 * channels))(inputs)
     x = layers.MaxPooling2D(2, name="pool1", dtype=policy)(x)
     x = layers.Conv2D(64, 5, activation="relu", name="conv2", dtype=policy,
                       **_torch_init(5 * 5 * 32))(x)
     x = layers.MaxPooling2D(2, name="pool2", dtype=policy)(x)
     x = layers.Flatten(name="flatten", dtype=policy)(x)
-    x = layers.Dense(128, activation="relu", name="fc1", dtype=policy,
-                     **_torch_init(4 * 4 * 64))(x)
+    x = layers.Dense(128, activation="relu", name="fc1", dtype=policy, **_torch_init(flat))(x)
     x = layers.Dropout(dropout, name="dropout", dtype=policy)(x)
-    logits = layers.Dense(10, name="fc2", dtype="float32", **_torch_init(128))(x)
-    return keras.Model(inputs, logits, name=MODEL_NAME)
+    logits = layers.Dense(num_classes, name="fc2", dtype="float32", **_torch_init(128))(x)
+    return keras.Model(inputs, logits, name=name)
+
+
+def build_mlp(dropout: float = 0.5, dtype_policy: str | None = None,
+              input_shape: tuple[int, int, int] = MNIST_SHAPE, num_classes: int = 10) -> keras.Model:
+    """The MLP, built and returning logits (float32, as :func:`build_model`)."""
+    policy = dtype_policy or keras.config.dtype_policy().name
+    layers = keras.layers
+    inputs = keras.Input(shape=input_shape, name="image")
+    x = layers.Flatten(name="flatten", dtype=policy)(inputs)
+    x = layers.Dense(128, activation="relu", name="fc1", dtype=policy,
+                     **_torch_init(math.prod(input_shape)))(x)
+    x = layers.Dropout(dropout, name="dropout", dtype=policy)(x)
+    logits = layers.Dense(num_classes, name="fc2", dtype="float32", **_torch_init(128))(x)
+    return keras.Model(inputs, logits, name="mlp")
+
+
+def build(spec: str, dataset, dropout: float, dtype_policy: str | None = None) -> keras.Model:
+    """The ``--model spec`` for ``dataset`` (a :class:`launch.dataset.Dataset`), checked: a bad
+    spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
+    shape, classes = tuple(dataset.input_shape), dataset.num_classes
+    if spec == "cnn":
+        model = build_model(dropout, dtype_policy, shape, classes)
+    elif spec == "mlp":
+        model = build_mlp(dropout, dtype_policy, shape, classes)
+    else:
+        model = models.call_builder(spec, shape, classes)
+        if not isinstance(model, keras.Model):
+            raise models.wrong_type(spec, model, "tf", "keras.Model")
+    check(spec, model, shape, classes)
+    return model
+
+
+def check(spec: str, model: keras.Model, shape: tuple[int, ...], num_classes: int) -> None:
+    """One inference call on two zero images (no dropout draws): the output must be
+    ``[2, num_classes]``.  Also builds a subclassed model's variables before the optimizer and
+    the broadcast need them."""
+    try:
+        out = model(np.zeros((2, *shape), np.float32), training=False)
+    except Exception as err:
+        raise UserError(f"--model {spec}: calling the model on a batch of shape {(2, *shape)} "
+                        f"failed: {type(err).__name__}: {models.one_line(err)}") from None
+    if not hasattr(out, "shape"):
+        raise UserError(f"--model {spec}: the model returns a {type(out).__name__}, not a tensor "
+                        f"of logits")
+    models.check_output(spec, shape, tuple(out.shape), num_classes)

@@ -1,84 +1,130 @@
-"""Data-parallel MNIST on TensorFlow/Keras 3 through ``horovod.tensorflow``.
+"""Data-parallel training on TensorFlow/Keras 3 through ``horovod.tensorflow``: the fixed-size trainer.
 
-The twin of :mod:`torch_models.train`: same flags, same shards, same LR rule, same output.  The
-Horovod part is init, pin threads/GPU, shard, scale the LR, broadcast from rank 0, and a train
-step that allreduces gradients; Horovod's own Keras integration does not work with Keras 3, so
-the last two come from :mod:`tf_models.horovod_keras`.  Training runs through ``model.fit`` with a
-:class:`~tf_models.horovod_keras.DistributedModel`; the per-epoch work (exact metrics,
-evaluation, the epoch line, the checkpoint) happens in callbacks, which run on every rank in the
-same order, so every rank issues the same collectives.
-
-Only ``horovod.tensorflow`` is imported: loading ``horovod.torch`` as well would put a second copy
-of Horovod's native library into the process.
+The twin of :mod:`torch_models.train`: same flags, same shards, same LR rule, same output, the
+same Horovod lines, each marked ``# Horovod:`` below.  Horovod's own Keras integration does not
+work with Keras 3, so the broadcast and the gradient allreduce come from
+:mod:`tf_models.horovod_keras`.  Training runs through ``model.fit`` with a
+:class:`~tf_models.horovod_keras.DistributedModel`; :class:`FitToJob` hands fit's hooks to the
+shared :class:`launch.job.Job` (the LR before each step, progress after it, the epoch's metrics,
+output and checkpoint at its end), on every rank in the same order, so every rank issues the same
+collectives.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
-import json
 import time
 
-import horovod
 import horovod.tensorflow as hvd
 import keras
 import numpy as np
 import tensorflow as tf
 
-from launch import checkpoint, cli, mnist
-from launch.elastic import check_launcher
-from launch.errors import UserError
-from launch.lr import lr_at, scaled_lr
-from launch.report import EpochRecord, Reporter, Summary
-from launch.runtime import before_init, controller, threads_per_rank
+from launch import watchdog
+from launch.dataset import model_inputs
+from launch.job import Job
+from launch.lr import scaled_lr
+from launch.report import Summary
+from launch.runtime import before_init
 from launch.sharding import optimizer_steps, shard_indices
-from tf_models.horovod_keras import (
-    DistributedModel,
-    MetricAverage,
-    WarmupSchedule,
-    allreduce_sums,
-    broadcast_initial_state,
-    sparse_logits_loss,
-)
-from tf_models.model import MODEL_NAME, build_model
-
-CKPT_EXT = "npz"
-EVAL_BATCH = 1000
+from tf_models import common
+from tf_models.horovod_keras import DistributedModel, broadcast_initial_state
+from tf_models.model import build
 
 
-def configure_devices(local_rank: int, local_size: int) -> bool:
-    """Threads and GPU for this rank; must run before TensorFlow executes its first op.
+def train(args: argparse.Namespace) -> Summary:
+    before_init(args.stall_timeout)
+    # Horovod: initialise; from here on every rank knows its rank and the world size.
+    hvd.init()
+    # Horovod: pin this rank to its share of the host's cores and to GPU local_rank (if any).
+    use_gpu = common.configure_devices(hvd.local_rank(), hvd.local_size())
+    job = Job(args, framework="tf", versions=common.VERSIONS, hvd=hvd,
+              collectives=common.COLLECTIVES, use_gpu=use_gpu)
+    watchdog.start(args.stall_timeout, hvd)  # watchdog: a frozen or cut-off rank ends the job
+    rank, size, k = job.rank, job.size, args.backward_passes_per_step
 
-    Intra-op threads are the host's cores split among its ranks (see
-    :func:`launch.runtime.threads_per_rank`); 2 inter-op threads allow a little overlap between
-    independent ops (the input gather, the allreduce) without oversubscribing the cores.  On GPU
-    machines each rank sees only its local-rank GPU, with memory growth so it does not grab the
-    whole card up front.
+    # Different seeds per rank on purpose: the broadcast below, not luck, makes ranks agree.
+    keras.utils.set_random_seed(args.seed + rank)
+    net = build(args.model, job.dataset, args.dropout, "mixed_float16" if args.amp else None)
+    param_count = net.count_params()  # the model is checked on every rank before any collective
+
+    train_images, train_labels, test_images, test_y = job.load_data()
+    test_x = model_inputs(job.dataset, test_images)
+    steps = optimizer_steps(job.n_train, size, args.batch_size, k, args.max_steps)
+
+    # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
+    target_lr = scaled_lr(args.base_lr, size, args.lr_scaling, args.adasum)
+    optimizer = keras.optimizers.SGD(learning_rate=target_lr, momentum=args.momentum)
+    if args.amp:
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    optimizer.build(net.trainable_variables)  # slots exist now: checkpoints and broadcast see them
+    start_epoch = job.resume(lambda: common.load_checkpoint(
+        args.checkpoint_dir, net, optimizer, job.model_name, param_count))
+    # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) to every rank.
+    broadcast_initial_state(net, optimizer, root_rank=0)
+    # Horovod: wrap the model: its train step averages the gradients over all ranks (allreduce).
+    model = DistributedModel(
+        net, backward_passes_per_step=k, micro_batch_size=args.batch_size,
+        op=hvd.Adasum if args.adasum else hvd.Average, fp16_allreduce=args.fp16_allreduce,
+        gradient_predivide_factor=args.gradient_predivide_factor)
+    model.compile(optimizer=optimizer)
+
+    job.begin(param_count=param_count, target_lr=target_lr, steps=steps, start_epoch=start_epoch)
+    eval_sums = common.make_eval_sums(net, job.dataset.input_shape)
+    if start_epoch < args.epochs:
+        # Horovod: shard: rank r takes every N-th sample of each epoch's order, the same on all ranks.
+        batches = [b for epoch in range(start_epoch + 1, args.epochs + 1)
+                   for b in epoch_batches(job.n_train, rank, size, args, epoch, steps)]
+        to_job = FitToJob(job, model, steps=steps, target_lr=target_lr,
+                          evaluate=lambda: eval_sums(test_x, test_y),
+                          save=lambda e: common.save_checkpoint(args.checkpoint_dir, e, net, optimizer,
+                                                                job.model_name, param_count, args))
+        model.fit(train_dataset(job.dataset, train_images, train_labels, batches), epochs=args.epochs,
+                  initial_epoch=start_epoch, steps_per_epoch=steps, shuffle=False, verbose=0,
+                  callbacks=[to_job])
+    return job.finish_fixed(lambda: eval_sums(test_x, test_y), common.parameters(net))
+
+
+class FitToJob(keras.callbacks.Callback):
+    """``model.fit``'s hooks, on every rank, handed to the :class:`~launch.job.Job`.
+
+    Before each step the optimizer gets the step's LR from :meth:`Job.lr`, the LR rule the PyTorch
+    trainer and both elastic loops use (a float32 variable, assigned ``float32(lr_at(...))``).
+    After each step the step's loss on this rank (from the loss tracker's running sums) goes to
+    :meth:`Job.step_done`; at the epoch's end, this rank's (loss sum, images) and test sums go to
+    :meth:`Job.end_epoch`.
     """
-    tf.config.threading.set_intra_op_parallelism_threads(threads_per_rank(local_size))
-    tf.config.threading.set_inter_op_parallelism_threads(2)
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus:
-        return False
-    if local_rank >= len(gpus):
-        raise UserError(f"{local_size} ranks on this host but only {len(gpus)} GPU(s); run at most "
-                        f"{len(gpus)} processes per host")
-    tf.config.set_visible_devices(gpus[local_rank], "GPU")
-    tf.config.experimental.set_memory_growth(gpus[local_rank], True)
-    return True
 
+    def __init__(self, job: Job, model: DistributedModel, *, steps: int, target_lr: float,
+                 evaluate, save) -> None:
+        super().__init__()
+        self.job, self.tracker, self.steps, self.target_lr = job, model.loss_tracker, steps, target_lr
+        self.evaluate, self.save = evaluate, save
+        self.epoch, self.lr, self.t0, self.seen = 0, 0.0, 0.0, (0.0, 0.0)
 
-def config_of(args: argparse.Namespace) -> dict:
-    return {k: v for k, v in vars(args).items() if k not in ("resume", "no_progress")}
+    def on_epoch_begin(self, epoch, logs=None) -> None:
+        self.epoch = epoch + 1  # Keras counts epochs from 0, the reports from 1
+        self.t0, self.seen = time.perf_counter(), (0.0, 0.0)
+
+    def on_train_batch_begin(self, batch, logs=None) -> None:
+        self.lr = self.job.lr(self.epoch, batch, self.steps, self.target_lr)
+        self.model.optimizer.learning_rate = self.lr
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        total, count = float(self.tracker.total.numpy()), float(self.tracker.count.numpy())
+        step_loss = (total - self.seen[0]) / (count - self.seen[1])
+        self.seen = (total, count)
+        self.job.step_done(self.epoch, batch + 1, self.steps, loss=step_loss, lr=self.lr,
+                           consumed=int(count) * self.job.size)
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        seconds = time.perf_counter() - self.t0
+        train_sums = [float(self.tracker.total.numpy()), float(self.tracker.count.numpy())]
+        self.job.end_epoch(self.epoch, train_sums=train_sums, seconds=seconds, lr=self.lr,
+                           evaluate=self.evaluate, save=self.save)
 
 
 # --- data --------------------------------------------------------------------------------------
-
-def normalize_images(images_u8: tf.Tensor) -> tf.Tensor:
-    """:func:`launch.mnist.normalize` in TensorFlow ops, plus the channel axis Keras expects."""
-    x = (tf.cast(images_u8, tf.float32) / 255.0 - mnist.PIXEL_MEAN) / mnist.PIXEL_STD
-    return x[..., tf.newaxis]
-
 
 def epoch_batches(n_train: int, rank: int, size: int, args: argparse.Namespace, epoch: int,
                   steps: int) -> list[np.ndarray]:
@@ -90,20 +136,23 @@ def epoch_batches(n_train: int, rank: int, size: int, args: argparse.Namespace, 
     return [idx[s * rows:(s + 1) * rows] for s in range(steps)]
 
 
-def train_dataset(images_u8: np.ndarray, labels: np.ndarray, batches: list[np.ndarray]):
+def train_dataset(dataset, images_u8: np.ndarray, labels: np.ndarray, batches: list[np.ndarray]):
     """A ``tf.data`` pipeline over the given index batches, in order, each exactly once.
 
-    The images stay uint8 in memory and are gathered and normalised per batch.  The number of
-    elements is the number of batches, the same on every rank, so ``fit`` runs the same number of
-    steps (and allreduces) everywhere.
+    The images stay uint8 in memory and are gathered and normalised per batch, with the dataset's
+    constants in the same float32 operations as :meth:`Dataset.normalize`.  The number of elements
+    is the number of batches, the same on every rank, so ``fit`` runs the same number of steps
+    (and allreduces) everywhere.
     """
     images = tf.constant(images_u8)
     targets = tf.constant(labels)
     rows = tf.RaggedTensor.from_row_lengths(
         np.concatenate(batches).astype(np.int64), [len(b) for b in batches])
+    shape = [-1, *dataset.input_shape]
 
     def gather(idx):
-        return normalize_images(tf.gather(images, idx)), tf.gather(targets, idx)
+        x = (tf.cast(tf.gather(images, idx), tf.float32) / 255.0 - dataset.mean) / dataset.std
+        return tf.reshape(x, shape), tf.gather(targets, idx)
 
     # No autotuning: a gather per step has nothing to tune, and with it on, tearing the iterator
     # down at the end of ``fit`` stalled for up to a minute on long runs (tf.data's autotune
@@ -111,236 +160,3 @@ def train_dataset(images_u8: np.ndarray, labels: np.ndarray, batches: list[np.nd
     options = tf.data.Options()
     options.autotune.enabled = False
     return tf.data.Dataset.from_tensor_slices(rows).map(gather).prefetch(2).with_options(options)
-
-
-def make_evaluator(net: keras.Model):
-    @tf.function(input_signature=[tf.TensorSpec([None, 28, 28, 1], tf.float32),
-                                  tf.TensorSpec([None], tf.int64)])
-    def batch_sums(x, y):
-        logits = net(x, training=False)
-        loss = tf.reduce_sum(tf.cast(sparse_logits_loss(y, logits), tf.float64))
-        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float64))
-        return loss, correct
-
-    def evaluate(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-        """Exact global (loss, accuracy): sums and counts are added across ranks, then divided."""
-        loss = correct = 0.0
-        for start in range(0, len(x), EVAL_BATCH):
-            batch_loss, batch_correct = batch_sums(x[start:start + EVAL_BATCH],
-                                                   y[start:start + EVAL_BATCH])
-            loss += float(batch_loss)
-            correct += float(batch_correct)
-        loss, correct, count = allreduce_sums([loss, correct, len(x)], name="eval_totals")
-        return loss / count, correct / count
-
-    return evaluate
-
-
-# --- checkpoints -------------------------------------------------------------------------------
-
-def rng_variables(net: keras.Model) -> list:
-    """The dropout seed-generator state: in ``net.variables`` but not in ``net.weights``."""
-    weights = {id(w) for w in net.weights}
-    return [v for v in net.variables if id(v) not in weights]
-
-
-def save_checkpoint(path_dir: str, epoch: int, net: keras.Model, optimizer, param_count: int,
-                    args: argparse.Namespace) -> None:
-    """One ``.npz``: ``model_NNNN`` (weights in model order), ``optimizer_NNNN`` (iteration
-    counter, momentum slots), ``rng_NNNN`` (rank 0's dropout seed state) and ``meta``, the JSON
-    of :func:`launch.checkpoint.metadata` plus ``weight_keys``, the names of the weight arrays in
-    model order (what tools that compare checkpoints across frameworks read)."""
-    arrays = {}
-    for prefix, variables in (("model", net.weights), ("optimizer", optimizer.variables),
-                              ("rng", rng_variables(net))):
-        for i, var in enumerate(variables):
-            arrays[f"{prefix}_{i:04d}"] = np.asarray(var.numpy())
-    meta = checkpoint.metadata("tf", MODEL_NAME, param_count, epoch, config_of(args))
-    meta["weight_keys"] = [f"model_{i:04d}" for i in range(len(net.weights))]
-    arrays["meta"] = np.array(json.dumps(meta))
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    checkpoint.save(path_dir, epoch, CKPT_EXT, buf.getvalue())
-
-
-def _restore(variables: list, arrays: dict, prefix: str, path) -> None:
-    saved = sorted(k for k in arrays if k.startswith(prefix + "_"))
-    if len(saved) != len(variables):
-        raise UserError(f"{path} holds {len(saved)} {prefix} variables, this run has "
-                        f"{len(variables)} (saved with different --momentum or --amp?); resume "
-                        f"with the original flags or use another --checkpoint-dir")
-    for key, var in zip(saved, variables, strict=True):
-        if tuple(arrays[key].shape) != tuple(var.shape):
-            raise UserError(f"{path}: {prefix} variable {var.path} has shape "
-                            f"{tuple(arrays[key].shape)} there, {tuple(var.shape)} here; use "
-                            f"another --checkpoint-dir")
-        var.assign(arrays[key])
-
-
-def load_checkpoint(path_dir: str, net: keras.Model, optimizer, param_count: int,
-                    steps: int) -> int:
-    """Restore rank 0's model/optimizer from the newest checkpoint; return its epoch (0 if none)."""
-    path = checkpoint.latest(path_dir, CKPT_EXT)
-    if path is None:
-        return 0
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {key: npz[key] for key in npz.files}
-        meta = json.loads(str(arrays["meta"])) if "meta" in arrays else None
-    except Exception as err:  # zipfile, numpy and json raise many types for damaged files
-        raise UserError(f"checkpoint {path} is corrupt ({type(err).__name__}); delete it to "
-                        f"resume from the one before") from None
-    epoch = checkpoint.check_metadata(meta, path, "tf", MODEL_NAME, param_count)
-    _restore(net.weights, arrays, "model", path)
-    _restore(optimizer.variables, arrays, "optimizer", path)
-    rng = rng_variables(net)
-    if len([k for k in arrays if k.startswith("rng_")]) == len(rng):
-        _restore(rng, arrays, "rng", path)
-    # The LR schedule reads the optimizer's step counter.  Put it where this run's epoch/step
-    # arithmetic says it is, so warm-up resumes at the same point as in the PyTorch trainer even
-    # if --train-samples, --batch-size or --max-steps changed since the checkpoint was written.
-    optimizer.iterations.assign(epoch * steps)
-    return epoch
-
-
-# --- per-epoch work ----------------------------------------------------------------------------
-
-class EpochEnd(keras.callbacks.Callback):
-    """After each epoch, on every rank: evaluate (one allreduce), then on rank 0 report and save.
-
-    Runs after :class:`MetricAverage` (which has summed the training loss over ranks) and after
-    the progress bar, so the epoch line comes out below the finished bar.
-    """
-
-    def __init__(self, *, args, rank, net, optimizer, param_count, steps, target_lr, evaluate,
-                 test_x, test_y, averages: MetricAverage, report: Reporter,
-                 summary: Summary) -> None:
-        super().__init__()
-        self.args, self.rank, self.net, self.optimizer = args, rank, net, optimizer
-        self.param_count, self.steps, self.target_lr = param_count, steps, target_lr
-        self.evaluate, self.test_x, self.test_y = evaluate, test_x, test_y
-        self.averages, self.report, self.summary = averages, report, summary
-        self.t0 = 0.0
-        self.train_seconds = self.images_seen = 0.0
-
-    def on_epoch_begin(self, epoch, logs=None) -> None:
-        self.t0 = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None) -> None:
-        seconds = time.perf_counter() - self.t0
-        args, epoch = self.args, epoch + 1  # Keras counts epochs from 0, the reports from 1
-        loss_total, images = self.averages.totals["loss"]
-        test_loss, test_acc = self.evaluate(self.test_x, self.test_y)
-        self.train_seconds += seconds
-        self.images_seen += images
-        # the LR of the epoch's last step, as the torch trainer reports it
-        lr = lr_at(epoch - 1 + (self.steps - 1) / self.steps, args.base_lr, self.target_lr,
-                   args.warmup_epochs, args.epochs, args.lr_decay)
-        rec = EpochRecord(epoch=epoch, train_loss=loss_total / images, test_loss=test_loss,
-                          test_accuracy=test_acc, lr=lr, seconds=seconds,
-                          images_per_second=images / seconds)
-        self.summary.epochs.append(rec)
-        self.report.epoch(rec, args.epochs)
-        if args.checkpoint_dir and self.rank == 0:
-            save_checkpoint(args.checkpoint_dir, epoch, self.net, self.optimizer,
-                            self.param_count, args)
-
-
-# --- the job -----------------------------------------------------------------------------------
-
-def train(args: argparse.Namespace) -> Summary:
-    before_init(args.stall_timeout)
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    use_gpu = configure_devices(hvd.local_rank(), hvd.local_size())
-    cli.validate_world(args, size)
-    if args.amp and not use_gpu:
-        raise UserError("--amp needs a CUDA GPU; drop the flag on CPU machines")
-    report = Reporter(rank == 0, progress=not args.no_progress)
-    if args.checkpoint_dir and rank == 0:
-        checkpoint.ensure_writable(args.checkpoint_dir)
-
-    data = mnist.load_on_all_ranks(args.data_dir, rank, hvd.broadcast_object)
-    train_images, train_labels, test_images, test_y = mnist.rank_view(
-        data, args.train_samples, args.test_samples, rank, size)
-    n_train = len(train_labels)
-    test_x = mnist.normalize(test_images)[..., np.newaxis]
-
-    k = args.backward_passes_per_step
-    steps = optimizer_steps(n_train, size, args.batch_size, k, args.max_steps)
-
-    # Different seeds per rank on purpose: the broadcast below, not luck, makes ranks agree.
-    keras.utils.set_random_seed(args.seed + rank)
-    net = build_model(args.dropout, "mixed_float16" if args.amp else None)
-    param_count = net.count_params()
-    target_lr = scaled_lr(args.base_lr, size, args.lr_scaling, args.adasum)
-    optimizer = keras.optimizers.SGD(
-        learning_rate=WarmupSchedule(args.base_lr, target_lr, args.warmup_epochs, steps,
-                                     args.epochs, args.lr_decay),
-        momentum=args.momentum)
-    if args.amp:
-        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-    optimizer.build(net.trainable_variables)  # slots exist now: checkpoints and broadcast see them
-
-    start_epoch = 0
-    if args.resume and rank == 0:
-        start_epoch = load_checkpoint(args.checkpoint_dir, net, optimizer, param_count, steps)
-    start_epoch = hvd.broadcast_object(start_epoch, root_rank=0, name="start_epoch")
-    broadcast_initial_state(net, optimizer, root_rank=0)
-
-    model = DistributedModel(
-        net, backward_passes_per_step=k, micro_batch_size=args.batch_size,
-        op=hvd.Adasum if args.adasum else hvd.Average, fp16_allreduce=args.fp16_allreduce,
-        gradient_predivide_factor=args.gradient_predivide_factor)
-    model.compile(optimizer=optimizer)
-
-    summary = Summary(
-        framework="tf",
-        versions={"tensorflow": tf.__version__, "keras": keras.__version__,
-                  "horovod": horovod.__version__},
-        controller=controller(hvd), world_size=size, batch_size_per_rank=args.batch_size,
-        global_batch_size=args.batch_size * size * k, base_lr=args.base_lr,
-        effective_lr=target_lr, lr_scaling="none (adasum)" if args.adasum else args.lr_scaling,
-        param_count=param_count, resumed_from_epoch=start_epoch or None,
-    )
-    report.info(f"tensorflow {tf.__version__} + keras {keras.__version__} + horovod "
-                f"{horovod.__version__} ({summary.controller}): {size} rank(s), "
-                f"{param_count:,} params, lr {args.base_lr:g} -> {target_lr:g}, "
-                f"{steps} steps/epoch of {args.batch_size * size * k} images")
-
-    evaluate = make_evaluator(net)
-    averages = MetricAverage()
-    epoch_end = EpochEnd(args=args, rank=rank, net=net, optimizer=optimizer,
-                         param_count=param_count, steps=steps, target_lr=target_lr,
-                         evaluate=evaluate, test_x=test_x, test_y=test_y, averages=averages,
-                         report=report, summary=summary)
-    if start_epoch < args.epochs:
-        batches_left = [b for epoch in range(start_epoch + 1, args.epochs + 1)
-                        for b in epoch_batches(n_train, rank, size, args, epoch, steps)]
-        callbacks = [averages]
-        if report.progress:  # rank 0 on a terminal: Keras' bar, drawn before the epoch line
-            callbacks.append(keras.callbacks.ProgbarLogger())
-        callbacks.append(epoch_end)
-        model.fit(train_dataset(train_images, train_labels, batches_left), epochs=args.epochs,
-                  initial_epoch=start_epoch, steps_per_epoch=steps,
-                  shuffle=False, verbose=1 if report.progress else 0, callbacks=callbacks)
-
-    if summary.epochs:
-        test_loss, test_acc = summary.epochs[-1].test_loss, summary.epochs[-1].test_accuracy
-    else:  # resumed past the last epoch: still report where the model stands
-        test_loss, test_acc = evaluate(test_x, test_y)
-    return report.finish(summary, test_loss=test_loss, test_acc=test_acc,
-                         train_seconds=epoch_end.train_seconds, images_seen=epoch_end.images_seen,
-                         params=[w.numpy() for w in net.weights],
-                         allgather_object=hvd.allgather_object, metrics_out=args.metrics_out)
-
-
-def main_with(args: argparse.Namespace) -> int:
-    check_launcher(args.elastic)
-    if args.elastic:
-        from tf_models.elastic import train_elastic
-
-        train_elastic(args)
-    else:
-        train(args)
-    return 0

@@ -1,8 +1,15 @@
-"""The reference CNN (PyTorch side); ``tf_models.model`` builds the same layers in Keras.
+"""``--model`` on the PyTorch side: the built-in models, and the check every model passes.
 
-conv 5x5x32 -> ReLU -> maxpool 2 -> conv 5x5x64 -> ReLU -> maxpool 2 -> dense 128 -> ReLU
--> dropout -> dense 10: 184,586 parameters in both frameworks.  Small enough for CPU runs, large
-enough to pass 99% test accuracy in a few epochs.
+``cnn``, the reference CNN: conv 5x5x32 -> ReLU -> maxpool 2 -> conv 5x5x64 -> ReLU -> maxpool 2
+-> dense 128 -> ReLU -> dropout -> dense (one logit per class): 184,586 parameters on MNIST, in both
+frameworks (``tf_models.model`` builds the same layers in Keras).  Small enough for CPU runs,
+large enough to pass 99% test accuracy in a few epochs.
+
+``mlp``: flatten -> dense 128 -> ReLU -> dropout -> dense (logits): 101,770 parameters on MNIST.
+
+A user's ``package.module:function`` is called as ``function(input_shape=(C, H, W),
+num_classes=N)`` and must return a ``torch.nn.Module`` mapping ``[B, C, H, W]`` to ``[B, N]``
+logits (see :mod:`launch.models`).
 """
 
 from __future__ import annotations
@@ -11,16 +18,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODEL_NAME = "mnist-cnn-v1"
+from launch import models
+from launch.errors import UserError
+
+MNIST_SHAPE = (1, 28, 28)
+
+
+def channels_first(shape: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The dataset's (height, width, channels) as PyTorch's (channels, height, width)."""
+    height, width, channels = shape
+    return channels, height, width
 
 
 class MnistCNN(nn.Module):
-    def __init__(self, dropout: float = 0.5) -> None:
+    def __init__(self, dropout: float = 0.5, input_shape: tuple[int, int, int] = MNIST_SHAPE,
+                 num_classes: int = 10) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, kernel_size=5)
+        channels, height, width = input_shape
+        self.conv1 = nn.Conv2d(channels, 32, kernel_size=5)
         self.conv2 = nn.Conv2d(32, 64, kernel_size=5)
-        self.fc1 = nn.Linear(4 * 4 * 64, 128)
-        self.fc2 = nn.Linear(128, 10)
+        self.fc1 = nn.Linear(((height - 4) // 2 - 4) // 2 * ((width - 4) // 2 - 4) // 2 * 64, 128)
+        self.fc2 = nn.Linear(128, num_classes)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -28,3 +46,53 @@ class MnistCNN(nn.Module):
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = self.dropout(F.relu(self.fc1(torch.flatten(x, 1))))
         return self.fc2(x)
+
+
+class MLP(nn.Module):
+    def __init__(self, dropout: float = 0.5, input_shape: tuple[int, int, int] = MNIST_SHAPE,
+                 num_classes: int = 10) -> None:
+        super().__init__()
+        channels, height, width = input_shape
+        self.fc1 = nn.Linear(channels * height * width, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.dropout(F.relu(self.fc1(torch.flatten(x, 1)))))
+
+
+BUILTIN = {"cnn": MnistCNN, "mlp": MLP}
+
+
+def build(spec: str, dataset, dropout: float) -> nn.Module:
+    """The ``--model spec`` for ``dataset`` (a :class:`launch.dataset.Dataset`), checked: a bad
+    spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
+    shape = channels_first(dataset.input_shape)
+    if spec in BUILTIN:
+        model = BUILTIN[spec](dropout, shape, dataset.num_classes)
+    else:
+        model = models.call_builder(spec, shape, dataset.num_classes)
+        if not isinstance(model, nn.Module):
+            raise models.wrong_type(spec, model, "torch", "torch.nn.Module")
+    check(spec, model, shape, dataset.num_classes)
+    return model
+
+
+def check(spec: str, model: nn.Module, shape: tuple[int, ...], num_classes: int) -> None:
+    """One forward pass of two zero images in eval mode (no dropout draws, so the random state is
+    untouched): the output must be ``[2, num_classes]``.  Also materialises lazy modules before
+    the optimizer and the broadcast see the parameters."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros(2, *shape))
+    except Exception as err:
+        raise UserError(f"--model {spec}: a forward pass on a batch of shape {(2, *shape)} failed: "
+                        f"{type(err).__name__}: {models.one_line(err)}") from None
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor):
+        raise UserError(f"--model {spec} returns a {type(out).__name__} from forward(), not a "
+                        f"tensor of logits")
+    models.check_output(spec, shape, tuple(out.shape), num_classes)

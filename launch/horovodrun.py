@@ -1,0 +1,183 @@
+"""``python -m launch.horovodrun [horovodrun flags] COMMAND``: horovodrun, minus the silent start.
+
+horovodrun's own start-up failures reach the user late and noisily: a host in ``-H`` that does
+not answer costs a long ssh timeout (53 s here) and ends in a Python traceback ("RuntimeError:
+could not connect to some hosts via ssh"); a missing slot (``-np 3 -H localhost:2``) ends in
+Open MPI's 20-line "not enough slots" help text.  This wrapper checks both first, in seconds,
+and says what is wrong in one line (exit status 2); then it runs horovodrun with the same
+arguments, passing its output through, and turns a traceback of horovodrun's own (not a rank's:
+those carry a ``[rank]`` tag) into its last line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from launch.errors import UserError, run_cli
+
+SSH_ANSWER_SECONDS = 5.0
+_LOCAL = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
+
+
+# horovodrun 0.28.1's flags that take no value (from its parser); every other flag takes one.
+_NO_VALUE = frozenset((
+    "--autotune", "--no-autotune", "--disable-cache", "--gloo", "--mpi", "--jsrun", "--tcp",
+    "--verbose", "--hierarchical-allgather", "--no-hierarchical-allgather",
+    "--hierarchical-allreduce", "--no-hierarchical-allreduce", "--log-with-timestamp",
+    "--log-without-timestamp", "--mpi-threads-disable", "--no-mpi-threads-disable",
+    "--stall-check", "--no-stall-check", "--timeline-mark-cycles", "--no-timeline-mark-cycles",
+    "--torus-allreduce", "--no-torus-allreduce", "--prefix-output-with-timestamp",
+    "-prefix-timestamp", "-cb", "--check-build", "-h", "--help", "-v", "--version"))
+
+
+def own_flags(argv: list[str]) -> list[str]:
+    """horovodrun's own arguments: those before the command (the first word that is neither a
+    flag nor a flag's value); the command's flags are not horovodrun's."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 1 if "=" in argv[i] or argv[i] in _NO_VALUE else 2
+    return argv[:i]
+
+
+def _value(argv: list[str], *names: str) -> str | None:
+    """The value of the first of ``names`` among horovodrun's own flags (``-H a:1``, ``-H=a:1``)."""
+    flags = own_flags(argv)
+    for i, arg in enumerate(flags):
+        for name in names:
+            if arg == name and i + 1 < len(flags):
+                return flags[i + 1]
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def hosts_and_slots(argv: list[str]) -> list[tuple[str, int]]:
+    """``[(host, slots)]`` from ``-H``/``--hosts`` or ``--hostfile``; empty when neither is given
+    (horovodrun then runs everything on this host)."""
+    spec = _value(argv, "-H", "--hosts")
+    if spec:
+        pairs = [item.rsplit(":", 1) if ":" in item else (item, "1") for item in spec.split(",") if item]
+    else:
+        path = _value(argv, "-hostfile", "--hostfile")
+        if not path:
+            return []
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise UserError(f"cannot read the host file {path} ({err.strerror})") from None
+        pairs = []
+        for line in text.splitlines():
+            words = line.split("#")[0].split()
+            if words:
+                slots = next((w.split("=")[1] for w in words[1:] if w.startswith("slots=")), "1")
+                pairs.append((words[0], slots))
+    try:
+        return [(host, int(slots)) for host, slots in pairs]
+    except ValueError:
+        raise UserError(f"cannot read the slots in {spec or path!r}: expected host:N") from None
+
+
+def ssh_answers(host: str, port: int, timeout: float = SSH_ANSWER_SECONDS) -> str | None:
+    """None if an ssh server on ``host:port`` sends its banner within ``timeout``, else why not.
+    (A bare TCP connect is not enough: here a connect to an absent address succeeded through the
+    sandbox's network and only ssh's banner exchange timed out.)"""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as conn:
+            conn.settimeout(timeout)
+            banner = conn.recv(64)
+    except socket.gaierror:
+        return "its name does not resolve"
+    except TimeoutError:
+        return f"no answer on port {port} within {timeout:g} s"
+    except OSError as err:
+        return f"port {port}: {err.strerror or err}"
+    if not banner.startswith(b"SSH-"):
+        return f"port {port} answers, but not with ssh"
+    return None
+
+
+def preflight(argv: list[str]) -> None:
+    """Refuse, in one line, what horovodrun would fail on slowly: missing slots, silent hosts."""
+    if _value(argv, "--host-discovery-script"):
+        return  # elastic: hosts come and go by design
+    hosts = hosts_and_slots(argv)
+    np_text = _value(argv, "-np", "--num-proc")
+    if hosts and np_text and np_text.isdigit():
+        offered = sum(slots for _, slots in hosts)
+        if int(np_text) > offered:
+            listed = ",".join(f"{h}:{s}" for h, s in hosts)
+            raise UserError(f"-np {np_text} needs {np_text} slots but the hosts offer {offered} "
+                            f"({listed}); give a host more slots (host:N) or lower -np")
+    port = int(_value(argv, "-p", "--ssh-port") or 22)
+    remote = [h for h, _ in hosts if h not in _LOCAL]
+    results: dict[str, str | None] = {}
+    threads = [threading.Thread(target=lambda h=h: results.__setitem__(h, ssh_answers(h, port)))
+               for h in remote]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    silent = [f"{h} ({results[h]})" for h in remote if results.get(h)]
+    if silent:
+        raise UserError(f"host {', '.join(silent)} cannot be reached over ssh; fix -H or the "
+                        f"network, or leave the host out")
+
+
+def _pass_through(stream, sink, state: dict, hold: bool) -> None:
+    """Copy lines; with ``hold``, keep back a traceback that starts at column 0 (horovodrun's
+    own: a rank's lines carry a tag) and everything after it."""
+    for line in stream:
+        if hold and (state["held"] or line.startswith("Traceback (most recent call last):")):
+            state["held"].append(line)
+            continue
+        if "error: " in line:
+            state["rank_error"] = True
+        sink.write(line)
+        sink.flush()
+
+
+def exception_line(traceback: list[str]) -> str:
+    """The exception of a printed traceback as one line (its message may span several)."""
+    lines = [ln.strip() for ln in traceback if ln.strip()]
+    starts = [i for i, ln in enumerate(lines) if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b", ln)]
+    return " ".join(lines[starts[-1]:] if starts else lines[-1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    preflight(argv)
+    exe = shutil.which("horovodrun", path=f"{Path(sys.executable).parent}{os.pathsep}"
+                                          f"{os.environ.get('PATH', '')}")
+    if exe is None:
+        raise UserError("horovodrun is not installed; run 'make setup'")
+    proc = subprocess.Popen([exe, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            bufsize=1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches horovodrun itself; wait for it
+    state = {"held": [], "rank_error": False}
+    copiers = [threading.Thread(target=_pass_through, args=(proc.stdout, sys.stdout, state, False)),
+               threading.Thread(target=_pass_through, args=(proc.stderr, sys.stderr, state, True))]
+    for t in copiers:
+        t.start()
+    code = proc.wait()
+    for t in copiers:
+        t.join()
+    if state["held"]:
+        last = exception_line(state["held"])
+        prefix = "" if state["rank_error"] else "error: "
+        sys.stderr.write(f"{prefix}horovodrun: {last}\n")
+    return code
+
+
+if __name__ == "__main__":
+    run_cli(main)

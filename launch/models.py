@@ -1,0 +1,89 @@
+"""``--model``: the built-in models by name, or a user's builder as ``package.module:function``.
+
+Framework-free: the spec's syntax is checked with the other flags before any framework is imported;
+the builder is imported and called, and what it returns checked, by the framework's model module
+(:mod:`torch_models.model`, :mod:`tf_models.model`) right after ``hvd.init()``, on every rank
+and before any collective, so a bad spec ends every rank with the same line instead of leaving
+some of them waiting for the others.
+
+A builder is called as ``build(input_shape=..., num_classes=...)``: ``input_shape`` is one
+example's shape in the framework's layout (PyTorch ``(channels, height, width)``, Keras
+``(height, width, channels)``), and the model it returns maps a batch of them to
+``num_classes`` logits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+from launch.errors import UserError
+
+BUILTIN = ("cnn", "mlp")
+_USER_SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+
+def check_spec(spec: str) -> str:
+    """The syntax check, before any framework import."""
+    if spec not in BUILTIN and not _USER_SPEC.match(spec):
+        raise UserError(f"--model must be {', '.join(BUILTIN)} or package.module:function (a "
+                        f"function that builds your model), got {spec!r}")
+    return spec
+
+
+def model_name(spec: str, dataset_name: str) -> str:
+    """What checkpoints and summaries record: ``mnist-cnn-v1`` for the built-in CNN on MNIST
+    (the name checkpoints have always carried), the spec itself for a user's builder."""
+    return f"{dataset_name}-{spec}-v1" if spec in BUILTIN else spec
+
+
+def user_builder(spec: str) -> Callable[..., Any]:
+    """Import ``package.module`` and return its ``function``, or one line saying what is wrong."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UserError(f"--model {spec}: cannot import {module_name} ({err}); put its package on "
+                        f"PYTHONPATH (every host, every rank) or install it") from None
+    except Exception as err:  # the user's module raised while importing
+        raise UserError(f"--model {spec}: importing {module_name} failed: "
+                        f"{type(err).__name__}: {one_line(err)}") from None
+    if not hasattr(module, attr):
+        raise UserError(f"--model {spec}: {module_name} has no attribute {attr!r}")
+    builder = getattr(module, attr)
+    if not callable(builder):
+        raise UserError(f"--model {spec}: {module_name}.{attr} is a {type(builder).__name__}, "
+                        f"not a function that builds a model")
+    return builder
+
+
+def call_builder(spec: str, input_shape: tuple[int, ...], num_classes: int) -> Any:
+    builder = user_builder(spec)
+    try:
+        return builder(input_shape=input_shape, num_classes=num_classes)
+    except Exception as err:
+        raise UserError(f"--model {spec}: calling it as {spec.partition(':')[2]}(input_shape="
+                        f"{input_shape}, num_classes={num_classes}) failed: "
+                        f"{type(err).__name__}: {one_line(err)}") from None
+
+
+def wrong_type(spec: str, model: Any, framework: str, wanted: str) -> UserError:
+    got = f"{type(model).__module__}.{type(model).__qualname__}"
+    return UserError(f"--model {spec} returned a {got}, but --framework {framework} needs a "
+                     f"{wanted}")
+
+
+def check_output(spec: str, input_shape: tuple[int, ...], output_shape: tuple[int, ...],
+                 num_classes: int) -> None:
+    """The model must map a batch ``[B, *input_shape]`` to logits ``[B, num_classes]``."""
+    if tuple(output_shape[1:]) != (num_classes,):
+        raise UserError(f"--model {spec} maps inputs of shape {tuple(input_shape)} to outputs of "
+                        f"shape {tuple(output_shape[1:])}, expected ({num_classes},): one logit per "
+                        f"class")
+
+
+def one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= 200 else text[:197] + "..."

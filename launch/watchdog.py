@@ -1,0 +1,529 @@
+"""No hang, ever: a progress watchdog in every rank, a heartbeat side channel, a guardian process.
+
+A rank that is frozen (SIGSTOP, a swap storm, a hung node) or cut off from its peers does not
+fail: its peers wait in their next collective forever.  Horovod's stall check cannot help under
+MPI, because its coordinator thread is itself blocked in MPI waiting for the frozen rank (measured:
+``kill -STOP`` of rank 1 of a ``--stall-timeout 30`` job, still running 150 s later).  Three
+pieces, all in this module, end such a job within ``--stall-timeout`` seconds and say why:
+
+* **Progress clock** (every rank, a daemon thread).  The trainers call :func:`progress` after each
+  optimizer step and each epoch's evaluation (a completed collective).  No progress for
+  ``--stall-timeout`` seconds (plus :data:`STARTUP_GRACE` before the first step) aborts the
+  job: ``MPI_Abort`` under MPI (Open MPI then kills
+  every rank, stopped ones included), and under Gloo an exit with status 3, which horovodrun's own
+  teardown turns into the end of the job.  A Python thread keeps running while the main thread
+  waits in a Horovod collective (checked under MPI and Gloo, both frameworks: the wait releases
+  the GIL).
+* **Heartbeats** (fixed-size jobs).  To *name* the culprit, rank 0 needs what the blocked ranks
+  cannot tell it through Horovod.  Every rank sends a small UDP datagram to rank 0 every second
+  (rank, steps done, its address) and rank 0 answers each one.  UDP, not TCP: a heartbeat is
+  worth something only while it is fresh, a lost one is simply replaced by the next (so a lossy
+  link costs nothing but a few of them), and there is no connection to hang on a dead peer.
+  Rank 0's address is shared once, by the one ``allgather_object`` at start-up, together with a
+  random job token that every datagram must carry.  Rank 0 owns the user-facing line; when rank
+  0 itself is silent, the rank that notices says so instead, and any other rank steps in only
+  :data:`GRACE` seconds after rank 0 should have.
+* **Guardian** (every rank, a tiny child process running this module).  The watchdog thread
+  feeds it a byte every tick; a rank whose thread has not run for its limit is frozen as a
+  whole, and the guardian SIGKILLs it.  That is what lets a launcher notice a frozen worker:
+  an elastic job (where nothing else can end a stopped worker, and Horovod's driver waits for
+  every worker to report before it re-forms) then carries on without it, and a fixed job whose
+  frozen rank sits on another host (which horovodrun --gloo cannot reach to kill) leaves no rank
+  behind.  After its rank called ``MPI_Abort``, the guardian also sees that the MPI launcher
+  ends: mpirun waits for ever for the daemon of a host cut off by a partition, so the guardian
+  interrupts it twice (Open MPI's forced exit) if it is still there :data:`GRACE` s later.
+
+Elastic jobs (``--elastic``) issue no collective outside the elastic loop and change ranks as
+workers come and go, so they run without heartbeats: the guardian handles a frozen worker after
+``--stall-timeout`` seconds, and a worker that makes no progress for ``--stall-timeout +``
+:data:`ELASTIC_GRACE` seconds (long enough for the others to re-form without a lost worker)
+leaves the job with one line.
+
+Finally, a collective that fails (Horovod shut down by its stall check, a Gloo timeout, a peer
+gone) used to end in a Python traceback on every rank; with the watchdog running, it ends in one
+line that adds what the heartbeats know about the peers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+STALL_EXIT_CODE = 3
+GRACE = 10.0          # s a rank other than 0 waits beyond the timeout, for rank 0 to speak first
+ELASTIC_GRACE = 30.0  # s an elastic worker allows its peers for a re-form beyond the timeout
+# Before the first step: importing, loading data and TF's first trace took 11 s (torch, 2 ranks)
+# with 8 other jobs on the 2 cores here, and a 10 s test timeout fired before training began.
+STARTUP_GRACE = 60.0
+GUARD_FIXED_EXTRA = 2 * GRACE  # fixed jobs: the guardian is the last resort, after the ranks
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def _say(line: str) -> None:
+    """One line on stderr, written at once (MPI's output tagging splits separate writes)."""
+    try:
+        os.write(2, f"error: {line}\n".encode())
+    except OSError:
+        pass
+
+
+def local_host() -> str:
+    """This rank's host as the launcher named it (horovodrun's -H name), else the hostname."""
+    return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+
+
+def _preferred_iface() -> str | None:
+    for name in ("HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME"):
+        value = os.environ.get(name, "").split(",")[0].strip()
+        if value and not value.startswith("^"):
+            return value
+    return None
+
+
+def local_addresses() -> list[str]:
+    """This host's IPv4 addresses: the interface the launcher picked first, loopback last."""
+    try:
+        import psutil  # a dependency of Horovod itself
+
+        by_iface = {name: [a.address for a in addrs if a.family == socket.AF_INET]
+                    for name, addrs in psutil.net_if_addrs().items()}
+    except Exception:  # no psutil: whatever the hostname resolves to, and loopback
+        by_iface = {"host": [socket.gethostbyname(socket.gethostname())], "lo": ["127.0.0.1"]}
+    first = _preferred_iface()
+    ordered = by_iface.pop(first, []) if first else []
+    loopback = [a for addrs in by_iface.values() for a in addrs if a.startswith("127.")]
+    ordered += [a for addrs in by_iface.values() for a in addrs if not a.startswith("127.")]
+    return list(dict.fromkeys(ordered + loopback + ["127.0.0.1"]))
+
+
+_FRAMEWORK_PATHS = (f"{os.sep}horovod{os.sep}", f"{os.sep}tensorflow{os.sep}",
+                    f"{os.sep}keras{os.sep}", f"{os.sep}torch{os.sep}")
+
+
+def main_thread_outside_frameworks() -> str | None:
+    """Where the main thread is (``file:line in function``) if its innermost Python frame is not
+    in Horovod, TensorFlow, Keras or PyTorch: a rank alive but stuck in its own code (input
+    pipeline, a lock, a sleep) rather than computing or waiting for its peers.  None otherwise."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None or any(part in frame.f_code.co_filename for part in _FRAMEWORK_PATHS):
+        return None
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def describe(info: dict) -> str:
+    """``rank 1 (rt-hostb, 10.251.0.2, pid 4242)`` from a rank's start-up record."""
+    where = [info.get("host", "?")]
+    addr = info.get("addr")
+    if addr and not addr.startswith("127.") and addr not in where:
+        where.append(addr)
+    where.append(f"pid {info.get('pid', '?')}")
+    return f"rank {info.get('rank', '?')} ({', '.join(where)})"
+
+
+class Watchdog:
+    """The per-rank watchdog; use the module functions (:func:`start`, :func:`progress`)."""
+
+    def __init__(self, stall_timeout: float, rank: int, size: int, controller: str,
+                 elastic: bool) -> None:
+        self.timeout = float(stall_timeout)
+        self.rank, self.size = rank, size
+        self.controller, self.elastic = controller, elastic
+        self.tick = min(1.0, max(0.2, self.timeout / 10))
+        self.steps = 0
+        self.last = _now()
+        self.armed = True
+        self.fired = False
+        self.peers: dict[int, dict] = {}        # rank -> start-up record (host, addr, pid)
+        self.seen: dict[int, float] = {}        # rank -> when its last heartbeat arrived
+        self.peer_steps: dict[int, int] = {}
+        self.outside: dict[int, str | None] = {}  # rank -> where its main thread is, if not in
+        #                                            Horovod or the framework (None: it is)
+        self.channel: dict | None = None        # rank 0's token, port and addresses
+        self.sock: socket.socket | None = None
+        self.guard: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+
+    # --- set-up -----------------------------------------------------------------------------
+
+    def open_channel(self, allgather_object) -> None:
+        """One collective at start-up: every rank learns every rank's record and rank 0's
+        heartbeat address.  Fixed-size jobs only (see the module doc)."""
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("0.0.0.0", 0))
+        self.sock.settimeout(self.tick)
+        addrs = local_addresses()
+        me = {"rank": self.rank, "host": local_host(), "addr": addrs[0], "pid": os.getpid()}
+        if self.rank == 0:
+            me.update(token=secrets.token_hex(8), port=self.sock.getsockname()[1], addrs=addrs)
+        records = allgather_object(me, name="watchdog.ranks")
+        self.peers = {r["rank"]: r for r in records}
+        self.channel = self.peers[0]
+        now = _now()
+        self.seen = {r: now for r in self.peers}
+
+    def start_guardian(self) -> None:
+        limit = self.timeout + (0 if self.elastic else GUARD_FIXED_EXTRA)
+        try:
+            self.guard = subprocess.Popen(
+                [sys.executable, "-m", "launch.watchdog", "--guard", str(os.getpid()),
+                 f"{limit:g}", local_host()],
+                # its own session: a launcher that kills the rank's process group must not take
+                # the guardian with it before it has seen the launcher end (see guard())
+                stdin=subprocess.PIPE, close_fds=True, start_new_session=True)
+        except OSError:  # no guardian: the ranks' own clocks still end the job
+            self.guard = None
+
+    # --- the thread ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        previous = _now()
+        while True:
+            self.exchange()
+            self.feed_guardian()
+            now = _now()
+            if now - previous > max(5.0, 6 * self.tick):
+                # This thread did not run for a while: this process was frozen itself (and has
+                # just been continued, maybe to be killed).  What it knew about the others is
+                # stale, and the silence was its own: start over rather than blame a peer.
+                self.seen = dict.fromkeys(self.seen, now)
+                self.last = max(self.last, now)
+            previous = now
+            with self.lock:
+                if not self.armed or self.fired:
+                    continue
+                verdict = self.check()
+                if verdict is not None:
+                    self.fired = True
+            if verdict is not None:
+                self.abort(verdict)
+
+    def exchange(self) -> None:
+        """Send/answer heartbeats for one tick (or just sleep one tick without a channel)."""
+        if self.sock is None or self.channel is None:
+            time.sleep(self.tick)
+            return
+        token = self.channel["token"]
+        outside = main_thread_outside_frameworks()
+        self.outside[self.rank] = outside
+        mine = json.dumps({"t": token, "r": self.rank, "s": self.steps, "o": outside}).encode()
+        if self.rank != 0:
+            for addr in self.channel["addrs"]:
+                try:
+                    self.sock.sendto(mine, (addr, self.channel["port"]))
+                except OSError:
+                    pass
+        deadline = _now() + self.tick
+        while (left := deadline - _now()) > 0:
+            self.sock.settimeout(left)
+            try:
+                data, source = self.sock.recvfrom(512)
+                beat = json.loads(data)
+            except TimeoutError:
+                break
+            except (OSError, ValueError):
+                continue
+            if not isinstance(beat, dict) or beat.get("t") != token:
+                continue  # another job's datagram, or noise
+            rank = beat.get("r")
+            if rank in self.peers:
+                self.seen[rank] = _now()
+                self.peer_steps[rank] = beat.get("s", 0)
+                self.outside[rank] = beat.get("o")
+                if self.rank == 0 and rank != 0:
+                    try:
+                        self.sock.sendto(mine, source)
+                    except OSError:
+                        pass
+
+    def feed_guardian(self, what: str | None = None) -> None:
+        if self.guard is not None and self.guard.stdin is not None:
+            try:
+                self.guard.stdin.write(f"{what or self.rank}\n".encode())
+                self.guard.stdin.flush()
+            except (OSError, ValueError):
+                self.guard = None
+
+    def silent(self, rank: int, now: float) -> float | None:
+        """Seconds since ``rank``'s last heartbeat, if long enough to call it silent."""
+        quiet = now - self.seen.get(rank, now)
+        return quiet if quiet > max(3 * self.tick, self.timeout / 2) else None
+
+    def check(self) -> str | None:
+        """The line to end the job with, or None while it makes progress."""
+        now = _now()
+        stalled = now - self.last
+        if stalled <= self.timeout + (STARTUP_GRACE if self.steps == 0 else 0):
+            return None
+        what = (f"no training step or collective completed on rank {self.rank} for "
+                f"{stalled:.0f} s (--stall-timeout {self.timeout:g})")
+        if self.elastic:
+            if stalled <= self.timeout + ELASTIC_GRACE:
+                return None  # a frozen peer's guardian acts first, then the job re-forms
+            return (f"rank {self.rank} ({local_host()}, pid {os.getpid()}): {what}; this worker "
+                    f"leaves the elastic job")
+        if self.rank != 0:
+            quiet = self.silent(0, now)
+            if quiet is None and stalled <= self.timeout + GRACE:
+                return None  # rank 0 hears everyone and will name the culprit
+            if quiet is not None:
+                return (f"{describe(self.peers[0])} is frozen, dead or cut off from "
+                        f"{describe(self.peers[self.rank])}: no heartbeat answer for "
+                        f"{quiet:.0f} s and {what}; aborting the job")
+        return f"{self.diagnose(now)}; {what}; aborting the job"
+
+    def diagnose(self, now: float) -> str:
+        """Who is to blame, from the heartbeats (rank 0 hears from everyone)."""
+        if not self.peers:
+            return "the job is stuck"
+        quiet = {r: q for r in self.peers if r != self.rank and (q := self.silent(r, now))}
+        if quiet:
+            return " and ".join(f"{describe(self.peers[r])} is frozen, dead or unreachable (no "
+                                f"heartbeat for {q:.0f} s)" for r, q in sorted(quiet.items()))
+        stuck = {r: where for r, where in self.outside.items() if where and r in self.peers}
+        if stuck:
+            return " and ".join(f"{describe(self.peers[r])} is alive but stuck outside Horovod "
+                                f"(its main thread is in {where})" for r, where in sorted(stuck.items()))
+        return ("every rank's heartbeat arrives (the processes live and reach rank 0) and every "
+                "rank waits in Horovod or its framework, but a collective does not complete: "
+                "the network between hosts carries heartbeats but not the training traffic?")
+
+    def abort(self, line: str) -> None:
+        _say(line)
+        if self.controller == "mpi":
+            self.feed_guardian("abort")
+            # MPI_Abort should end every rank through the launcher at once; if it cannot (its
+            # launcher is out of reach), end this process anyway.
+            threading.Timer(GRACE, os._exit, args=(STALL_EXIT_CODE,)).start()
+            try:
+                import mpi4py
+
+                mpi4py.rc.initialize = mpi4py.rc.finalize = False
+                from mpi4py import MPI
+
+                MPI.COMM_WORLD.Abort(STALL_EXIT_CODE)
+            except Exception:
+                pass
+        os._exit(STALL_EXIT_CODE)
+
+    # --- failed collectives ---------------------------------------------------------------------
+
+    def explain_failure(self, err: BaseException) -> str:
+        text = str(err).strip().splitlines()
+        first = text[-1] if text else type(err).__name__
+        first = first.split(". ")[0][:300]
+        peers = ""
+        if self.peers and self.rank == 0:
+            peers = f"; {self.diagnose(_now())}"
+        elif self.peers and self.silent(0, _now()) is not None:
+            peers = f"; {describe(self.peers[0])} is silent"
+        return (f"rank {self.rank} ({local_host()}): a Horovod collective failed ({first}){peers}; "
+                f"the log above may say more")
+
+
+_dog: Watchdog | None = None
+
+
+def progress() -> None:
+    """A step or a collective completed: the job is alive.  Cheap; call it freely."""
+    dog = _dog
+    if dog is not None:
+        dog.steps += 1
+        dog.last = _now()
+
+
+def start(stall_timeout: float, hvd, elastic: bool = False) -> Watchdog | None:
+    """Start this rank's watchdog; call right after ``hvd.init()`` on every rank.
+
+    Fixed-size jobs issue one ``allgather_object`` here (the heartbeat addresses), so every rank
+    must call it at the same point.  ``stall_timeout`` 0 turns everything off.
+    """
+    global _dog
+    if stall_timeout <= 0 or _dog is not None or (hvd.size() == 1 and not elastic):
+        return _dog  # a single process has no peer to wait for
+    from launch.runtime import controller
+
+    dog = Watchdog(stall_timeout, hvd.rank(), hvd.size(), controller(hvd), elastic)
+    if elastic:
+        dog.peers = {dog.rank: {"rank": dog.rank, "host": local_host(), "pid": os.getpid()}}
+    else:
+        dog.open_channel(hvd.allgather_object)
+    dog.start_guardian()
+    _dog = dog
+    threading.Thread(target=dog.run, name="ringtrain-watchdog", daemon=True).start()
+    atexit.register(_disarm)
+    _install_excepthook()
+    return dog
+
+
+def new_world(rank: int, size: int) -> None:
+    """An elastic job re-formed: new rank and size, and the clock restarts."""
+    dog = _dog
+    if dog is not None:
+        dog.rank, dog.size = rank, size
+        progress()
+
+
+def _disarm() -> None:
+    """At exit (atexit runs before Python stops daemon threads): no more verdicts, and the
+    guardian leaves now.  Measured: a finished elastic rank still ran its teardown 10 s after its
+    watchdog thread had stopped, and its guardian killed it as frozen (exit 137, job failed)."""
+    dog = _dog
+    if dog is not None:
+        with dog.lock:
+            dog.armed = False
+        dog.feed_guardian("bye")
+
+
+def keras_callback():
+    """A ``model.fit`` callback reporting each batch and each epoch's end as progress (put it
+    last: after the callbacks that evaluate and save at the epoch's end)."""
+    import keras
+
+    return keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs=None: progress(),
+        on_epoch_end=lambda epoch, logs=None: progress())
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """Horovod's own error type, or a TensorFlow op error raised by a Horovod op."""
+    if type(err).__name__ == "HorovodInternalError":
+        return True
+    text = str(err)
+    return (type(err).__module__.startswith("tensorflow")
+            and ("Horovod has been shut down" in text or "gloo" in text))
+
+
+def _install_excepthook() -> None:
+    previous = sys.excepthook
+
+    def hook(kind, err, tb):
+        dog = _dog
+        if dog is None or not is_collective_failure(err):
+            return previous(kind, err, tb)
+        with dog.lock:
+            dog.armed = False  # the job is ending anyway; one line, not two
+        if dog.rank == 0 or not dog.peers or dog.silent(0, _now()) is not None or dog.elastic:
+            _say(dog.explain_failure(err))
+
+    sys.excepthook = hook
+
+
+# --- the guardian process ------------------------------------------------------------------------
+
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("State:"):
+                    return line.split(None, 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "orted", "prterun", "prted")
+
+
+def _end_stuck_launcher(launcher: int | None) -> None:
+    """After its rank called MPI_Abort: if the MPI launcher (mpirun, or the host's orted) is still
+    there :data:`GRACE` seconds later, it is waiting for a host it cannot reach (measured: mpirun
+    waited for ever for the orted of a cut-off host), so interrupt it twice, as a user would
+    (Open MPI's second Ctrl-C forces it out), then kill it."""
+    if launcher is None or not _comm(launcher).startswith(MPI_LAUNCHERS):
+        return
+    # Let go of the rank's output pipes first: a launcher that waits for them to close must not
+    # wait for us.  (The rank's own line has said why the job ends.)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(devnull, fd)
+    deadline = _now() + GRACE
+    while _now() < deadline:
+        if not os.path.exists(f"/proc/{launcher}"):
+            return
+        time.sleep(0.5)
+    for sig, wait in ((signal.SIGINT, 1.0), (signal.SIGINT, 5.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.kill(launcher, sig)
+        except ProcessLookupError:
+            return
+        end = _now() + wait
+        while _now() < end and os.path.exists(f"/proc/{launcher}"):
+            time.sleep(0.2)
+
+
+def guard(pid: int, limit: float, host: str) -> int:
+    """Watch rank process ``pid`` through its feed on stdin: SIGKILL it when the feed has been
+    quiet for ``limit`` seconds (the whole process is frozen); when the feed ends (the rank is
+    gone) after an ``abort`` line, see that the MPI launcher ends too; else exit."""
+    import selectors
+
+    launcher = _parent_of(pid)
+    rank, last, aborting = "?", _now(), False
+    sel = selectors.DefaultSelector()
+    sel.register(sys.stdin.buffer, selectors.EVENT_READ)
+    buf = b""
+    while True:
+        if sel.select(timeout=1.0):
+            chunk = os.read(sys.stdin.fileno(), 4096)
+            if not chunk:  # the rank ended
+                if aborting:
+                    _end_stuck_launcher(launcher)
+                return 0
+            buf = (buf + chunk)[-64:]
+            lines = [ln.decode(errors="replace").strip() for ln in buf.split(b"\n")[:-1]]
+            if "bye" in lines:
+                return 0  # the rank is exiting normally
+            aborting = aborting or "abort" in lines
+            if lines and lines[-1].isdigit():
+                rank = lines[-1]
+            last = _now()
+        if not os.path.exists(f"/proc/{pid}"):
+            if aborting:
+                _end_stuck_launcher(launcher)
+            return 0
+        quiet = _now() - last
+        if quiet > limit and not aborting:
+            state = _proc_state(pid)
+            why = {"T": "stopped (SIGSTOP?)", "t": "stopped by a debugger",
+                   "D": "stuck in the kernel (disk, NFS?)"}.get(
+                state[:1], f"process state {state}, but its Python threads do not run")
+            _say(f"rank {rank} ({host}, pid {pid}) is frozen: {why}, its watchdog has not run for "
+                 f"{quiet:.0f} s; killed it so that the job can end or carry on without it")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--guard":
+        sys.exit(guard(int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]))
+    sys.exit("usage: python -m launch.watchdog --guard PID LIMIT_SECONDS HOST (started by the trainers)")

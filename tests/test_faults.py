@@ -1,0 +1,637 @@
+"""The fault matrix (docs/fault-tolerance.md): every fault ends in recovery (elastic) or in a
+non-zero exit within --stall-timeout + 30 s, one line naming the rank or host and the fault, no
+rank process left, and the newest checkpoint loadable.
+
+Faults are real: SIGSTOP/SIGKILL of a rank, the veth link between two network-namespace hosts
+taken down or DROPped with iptables mid-epoch, iptables random loss plus a tbf rate limit on one
+host (tc netem where the kernel has it), a tmpfs too small for the next checkpoint.
+
+CI runs the cells marked "ci" below (3.5 min here at load 5-7, with the fast checks of the
+pieces); the full matrix (38 tests, 47 min here at load 9-25) runs with
+``RINGTRAIN_FAULTS=all pytest tests/test_faults.py``.  ``RINGTRAIN_FAULT_LOG=FILE`` appends one
+JSON line per cell with the measured time from the fault to the outcome (docs/fault-tolerance.md's
+table comes from such a run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from conftest import BIN, REPO, launch_cmd, requires_horovod
+
+from launch import checkpoint
+
+pytestmark = requires_horovod
+
+FULL = os.environ.get("RINGTRAIN_FAULTS") == "all"
+full_matrix = pytest.mark.skipif(not FULL, reason="full fault matrix only: RINGTRAIN_FAULTS=all")
+MODULES = {"torch": "launch.torch_mnist", "tf": "launch.tf_mnist"}
+EXT = {"torch": "pt", "tf": "npz"}
+STALL = 10  # --stall-timeout of every job here
+BOUND = STALL + 30  # what the issue allows from the fault to the end of the job
+# Long enough to still be training when we strike: many short epochs, a checkpoint after each.
+LONG = ["--train-samples", "1024", "--test-samples", "200", "--batch-size", "32", "--epochs", "200",
+        "--no-progress", "--stall-timeout", str(STALL)]
+
+
+def cells(*specs):
+    """Parameters for pytest: the CI cells as they are, the others behind RINGTRAIN_FAULTS=all."""
+    return [spec if spec[-1] == "ci" else pytest.param(*spec, marks=full_matrix)
+            for spec in specs]
+
+
+def record(cell: str, outcome: str, seconds: float | None, detected: float | None = None) -> None:
+    """Print (pytest -s) and log the measured time to the outcome (and to the first line that
+    named the fault, where there is one)."""
+    line = {"cell": cell, "outcome": outcome, "seconds": None if seconds is None else round(seconds, 1),
+            "detected": None if detected is None else round(detected, 1)}
+    print(f"MEASURED {json.dumps(line)}")
+    if os.environ.get("RINGTRAIN_FAULT_LOG"):
+        with open(os.environ["RINGTRAIN_FAULT_LOG"], "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+
+
+class Job:
+    """A running job whose output lines are collected as they arrive; its processes carry
+    ``marker`` (the test's tmp folder) in their command line."""
+
+    def __init__(self, cmd: list[str], marker: str, module: str, env: dict | None = None):
+        self.marker, self.module = marker, module
+        full_env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=full_env, cwd=REPO, start_new_session=True,
+                                     stdin=subprocess.DEVNULL)
+        self.lines: list[str] = []
+        self.times: list[float] = []  # when each line arrived (time.monotonic())
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.rank_pids: set[int] = set()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.times.append(time.monotonic())
+            self.lines.append(line.rstrip("\n"))
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def first_error_after(self, t0: float) -> float | None:
+        """Seconds from ``t0`` to the first line that says ``error:``."""
+        pairs = zip(self.times, self.lines, strict=False)  # the reader may be mid-line
+        return next((t - t0 for t, ln in pairs if "error: " in ln and t >= t0), None)
+
+    def ranks(self) -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            cmd = proc.info["cmdline"] or []
+            if self.module in cmd and any(self.marker in part for part in cmd):
+                found.append(proc)
+        self.rank_pids |= {p.pid for p in found}
+        return found
+
+    def rank(self, r: int) -> psutil.Process:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for proc in self.ranks():
+                with contextlib.suppress(psutil.Error):
+                    env = proc.environ()
+                    if str(r) in (env.get("OMPI_COMM_WORLD_RANK"), env.get("HOROVOD_RANK")):
+                        return proc
+            time.sleep(0.5)
+        self.kill()
+        pytest.fail(f"rank {r} not found:\n{self.output()[-3000:]}")
+
+    def guardians(self) -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            cmd = proc.info["cmdline"] or []
+            if "launch.watchdog" in cmd and "--guard" in cmd and int(cmd[cmd.index("--guard") + 1]) \
+                    in self.rank_pids:
+                found.append(proc)
+        return found
+
+    def wait_for_file(self, folder: Path, pattern: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not list(folder.glob(pattern)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"never saw {folder}/{pattern}:\n{self.output()[-3000:]}")
+            time.sleep(0.3)
+        self.ranks()
+
+    def wait_exit(self, limit: float) -> tuple[int, float]:
+        """(exit status, seconds waited); fails (and kills the job) past ``limit``."""
+        t0 = time.monotonic()
+        try:
+            self.proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"job still running {limit:.0f} s after the fault:\n{self.output()[-3000:]}")
+        self.reader.join(timeout=10)
+        print(self.output())  # shown by pytest -s, or with a failure below
+        return self.proc.returncode, time.monotonic() - t0
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for proc in self.ranks() + self.guardians():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+
+@pytest.fixture
+def jobs():
+    """Every job a test starts is killed at its end, whatever happened."""
+    started: list[Job] = []
+    yield started
+    for job in started:
+        job.kill()
+
+
+def error_lines(out: str) -> list[str]:
+    return [ln for ln in out.splitlines() if "error: " in ln]
+
+
+def assert_one_line(job: Job, *needles: str) -> str:
+    lines = error_lines(job.output())
+    assert len(lines) == 1, job.output()[-4000:]
+    for needle in needles:
+        assert re.search(needle, lines[0]), lines[0]
+    return lines[0]
+
+
+def assert_nothing_left(job: Job, within: float = 15) -> None:
+    """No rank and no guardian of this job is left (a rank cut off from the launcher must end
+    itself: it gets ``within`` seconds)."""
+    deadline = time.monotonic() + within
+    while (job.ranks() or job.guardians()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [(p.pid, " ".join(p.cmdline()[:4])) for p in job.ranks() + job.guardians()
+            if p.is_running()]
+    assert not left, f"processes left running: {left}"
+
+
+def assert_newest_checkpoint_loads(ckpt: Path, framework: str) -> int:
+    """The newest complete checkpoint parses and carries consistent metadata; returns its epoch."""
+    assert not list(ckpt.glob(".*.tmp")), "a half-written checkpoint was left behind"
+    path = checkpoint.latest(ckpt, EXT[framework])
+    assert path is not None, f"no checkpoint in {ckpt}"
+    if framework == "torch":
+        import torch
+
+        meta = torch.load(path, map_location="cpu", weights_only=False)["meta"]
+    else:
+        with np.load(path, allow_pickle=False) as npz:
+            meta = json.loads(str(npz["meta"]))
+    epoch = checkpoint.check_metadata(meta, path, framework, "mnist-cnn-v1", 184_586)
+    assert f"{epoch:04d}" in path.name
+    return epoch
+
+
+def training_job(framework: str, controller: str, tmp_path: Path, jobs: list) -> tuple[Job, Path]:
+    """A long 2-rank job on this host, once its first checkpoint exists (it is training)."""
+    module, ckpt = MODULES[framework], tmp_path / "ckpt"
+    how = "horovodrun" if controller == "mpi" else "gloo"
+    job = Job(launch_cmd(module, [*LONG, "--checkpoint-dir", str(ckpt)], np=2, how=how),
+              str(tmp_path), module)
+    jobs.append(job)
+    job.wait_for_file(ckpt, f"ckpt-epoch*.{EXT[framework]}")
+    return job, ckpt
+
+
+# --- 1. a frozen rank (SIGSTOP) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("framework,controller,victim,tier", cells(
+    ("torch", "mpi", 1, "ci"), ("torch", "gloo", 1, "ci"),
+    ("tf", "mpi", 1, "full"), ("tf", "gloo", 1, "full"),
+    ("torch", "mpi", 0, "full"), ("torch", "gloo", 0, "full")))
+def test_frozen_rank_ends_the_job(framework, controller, victim, tier, tmp_path, jobs):
+    """SIGSTOP one rank mid-training: under MPI the coordinator is blocked in MPI and Horovod's
+    stall check never runs (the job ran forever before the watchdog); under Gloo Gloo's own 30 s
+    timeout ended it with a traceback per rank.  Now: non-zero exit within --stall-timeout +
+    30 s, one line naming the frozen rank, nothing left, the newest checkpoint loadable."""
+    job, ckpt = training_job(framework, controller, tmp_path, jobs)
+    job.rank(victim).send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    rc, took = job.wait_exit(BOUND + 30)
+    record(f"frozen rank {victim}/{framework}/{controller}/fixed", f"exit {rc}", took,
+           job.first_error_after(t0))
+    assert rc != 0
+    assert took <= BOUND, f"{took:.0f} s from SIGSTOP to the end of the job"
+    assert_one_line(job, rf"rank {victim} \(", "frozen")
+    assert_nothing_left(job)
+    assert_newest_checkpoint_loads(ckpt, framework)
+
+
+@pytest.mark.parametrize("framework,controller,fault,tier", cells(
+    ("torch", "mpi", "sigkill", "full"), ("torch", "gloo", "sigkill", "full"),
+    ("tf", "mpi", "sigkill", "full"), ("tf", "gloo", "sigkill", "full"),
+    ("tf", "mpi", "exception", "full"), ("tf", "gloo", "exception", "full")))
+def test_killed_rank_ends_the_job(framework, controller, fault, tier, tmp_path, jobs):
+    """Rank 1 killed (SIGKILL) or raising (KeyboardInterrupt from SIGINT): the launcher ends the
+    job at once.  (tests/test_fault_tolerance.py checks the torch cells in CI; these add TF and
+    the measured times.)"""
+    job, ckpt = training_job(framework, controller, tmp_path, jobs)
+    job.rank(1).send_signal(signal.SIGKILL if fault == "sigkill" else signal.SIGINT)
+    t0 = time.monotonic()
+    rc, took = job.wait_exit(BOUND + 30)
+    record(f"killed rank 1 ({fault})/{framework}/{controller}/fixed", f"exit {rc}", took,
+           job.first_error_after(t0))
+    assert rc != 0 and took <= BOUND
+    out = job.output()
+    if fault == "exception":
+        assert "rank 1 interrupted" in out, out[-3000:]
+    elif controller == "mpi":
+        assert re.search(r"rank 1 .*exited on signal 9", out.replace("\n", " ")), out[-3000:]
+    assert len(error_lines(out)) <= 1, out[-3000:]
+    assert_nothing_left(job)
+    assert_newest_checkpoint_loads(ckpt, framework)
+
+
+@pytest.mark.parametrize("framework,fault,tier", cells(
+    ("torch", "sigstop", "ci"), ("tf", "sigstop", "full"), ("torch", "sigkill", "full"),
+    ("tf", "sigkill", "full")))
+def test_frozen_worker_is_lost_and_the_elastic_job_recovers(framework, fault, tier, tmp_path):
+    """SIGSTOP one of two elastic workers: its guardian kills it after --stall-timeout (Horovod's
+    driver re-forms only once every worker has reported, and a stopped one never does), the
+    survivor rolls back to its last commit and finishes alone.  (SIGKILL: the same without the
+    wait; tests/test_elastic.py covers it with either rank killed.)"""
+    from test_elastic import ElasticJob, check_trained, world_sizes
+
+    job = ElasticJob(tmp_path, MODULES[framework], ["localhost:1", "127.0.0.1:1"], np=2, max_np=2,
+                     epochs=3, extra=["--stall-timeout", str(STALL)])
+    try:
+        job.wait_for(r"epoch 1/3:")
+        workers = job.workers("localhost") + job.workers("127.0.0.1")
+        victim = [p for p in workers if p.environ().get("HOROVOD_RANK") == "1"]
+        assert len(victim) == 1, [p.environ().get("HOROVOD_RANK") for p in workers]
+        victim[0].send_signal(signal.SIGSTOP if fault == "sigstop" else signal.SIGKILL)
+        t0 = time.monotonic()
+        job.wait_for(r"elastic: 1 worker", timeout=BOUND + 60)
+        what = "frozen worker" if fault == "sigstop" else "killed worker"
+        record(f"{what}/{framework}/gloo/elastic", "recovered", time.monotonic() - t0)
+        summary = job.finish()
+    finally:
+        job.kill()
+    assert world_sizes(summary) == [2, 1]
+    resumed = summary["elastic_resizes"][1]
+    assert resumed["consumed"] % (4 * 32 * 2) == 0, "rolled back to a commit (every 4 steps)"
+    check_trained(summary, 3)
+    if fault == "sigstop":
+        assert [ln for ln in error_lines(job.output()) if "is frozen" in ln and "rank 1 " in ln], \
+            job.output()[-3000:]
+    assert not victim[0].is_running() or victim[0].status() == psutil.STATUS_ZOMBIE
+
+
+# --- 2. a network partition, 3. a lossy, slow link: two network-namespace hosts ------------------
+
+@pytest.fixture(scope="module")
+def hosts():
+    import netns_hosts
+
+    try:
+        with netns_hosts.two_hosts() as made:
+            yield made
+    except netns_hosts.Unavailable as err:
+        pytest.skip(f"cannot make two hosts with their own addresses and sshd here: {err}")
+
+
+def cross_host_job(hosts, controller: str, module: str, args: list[str], marker: str) -> Job:
+    """``horovodrun -np 2 -H rt-hosta:1,rt-hostb:1`` started on host A, as tests/test_multihost.py
+    does (--disable-cache: the ssh checks of an earlier, gone pair of hosts must not count)."""
+    a, b = hosts.hosts
+    cmd = [str(BIN / "horovodrun"), f"--{controller}", "-np", "2", "-H", f"{a.name}:1,{b.name}:1",
+           "--ssh-identity-file", str(hosts.identity_file), "--disable-cache", "--start-timeout", "60",
+           "--network-interfaces", hosts.iface, sys.executable, "-m", module, *args]
+    return Job(hosts.cmd_in(a, cmd), marker, module, env={"PATH": hosts.env()["PATH"]})
+
+
+def sh(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, f"{' '.join(cmd)}: {proc.stderr}"
+
+
+@contextlib.contextmanager
+def partition(hosts, how: str):
+    """Cut host B off: its veth end down, or every packet through it DROPped by iptables;
+    undone on exit."""
+    b = hosts.b
+    if how == "link-down":
+        undo = ["ip", "-n", b.netns, "link", "set", hosts.iface, "up"]
+        sh(["ip", "-n", b.netns, "link", "set", hosts.iface, "down"])
+    else:
+        if shutil.which("iptables") is None:
+            pytest.skip("iptables is not installed (apt-get install iptables)")
+        rules = [["INPUT", "-i", hosts.iface, "-j", "DROP"], ["OUTPUT", "-o", hosts.iface, "-j", "DROP"]]
+        for rule in rules:
+            sh(hosts.cmd_in(b, ["iptables", "-A", *rule]))
+        undo = None
+    try:
+        yield
+    finally:
+        if undo:
+            subprocess.run(undo, capture_output=True, timeout=30)
+        else:
+            for rule in rules:
+                subprocess.run(hosts.cmd_in(b, ["iptables", "-D", *rule]), capture_output=True,
+                               timeout=30)
+        hosts.kill_strays()
+
+
+@pytest.mark.parametrize("framework,controller,how,tier", cells(
+    ("torch", "mpi", "link-down", "ci"), ("torch", "gloo", "drop", "full"),
+    ("torch", "mpi", "drop", "full"), ("torch", "gloo", "link-down", "full"),
+    ("tf", "mpi", "link-down", "full"), ("tf", "gloo", "drop", "full")))
+def test_partition_between_hosts_ends_the_job(hosts, framework, controller, how, tier, tmp_path,
+                                              jobs):
+    """Mid-epoch, host B (rank 1) is cut off from host A (rank 0, and the launcher).  TCP sees
+    nothing (no reset, just silence), so every rank would wait forever; now rank 0 names rank 1
+    on host B as unreachable and ends the job, and rank 1, which cannot reach anyone, ends
+    itself."""
+    module, ckpt = MODULES[framework], tmp_path / "ckpt"
+    job = cross_host_job(hosts, controller, module, [*LONG, "--checkpoint-dir", str(ckpt)],
+                         str(tmp_path))
+    jobs.append(job)
+    job.wait_for_file(ckpt, f"ckpt-epoch*.{EXT[framework]}")
+    rank1 = job.rank(1)
+    with partition(hosts, how):
+        t0 = time.monotonic()
+        rc, took = job.wait_exit(BOUND + 30)
+        record(f"partition ({how})/{framework}/{controller}/fixed", f"exit {rc}", took,
+               job.first_error_after(t0))
+        # the rank on host B must end itself: nothing can reach it to kill it
+        with contextlib.suppress(psutil.Error):
+            rank1.wait(timeout=max(1, BOUND - (time.monotonic() - t0)))
+        rank1_gone = time.monotonic() - t0
+        assert not rank1.is_running() or rank1.status() == psutil.STATUS_ZOMBIE, \
+            f"rank 1 on host B still running {rank1_gone:.0f} s after the partition"
+        assert_nothing_left(job)
+    assert rc != 0
+    assert took <= BOUND, f"{took:.0f} s from the partition to the end of the job"
+    assert_one_line(job, r"rank 1 \(", "unreachable", rf"{hosts.b.name}|{hosts.b.addr}")
+    assert_newest_checkpoint_loads(ckpt, framework)
+
+
+@contextlib.contextmanager
+def lossy_slow_link(hosts):
+    """10% loss and 200 ms delay on host B's side of the link: tc netem where the kernel has it;
+    else (this machine's kernel has no sch_netem) iptables' random 10% DROP plus a tbf rate limit
+    of 20 Mbit/s that queues up to 200 ms.  Undone on exit.  Returns a description."""
+    b, dev = hosts.b, hosts.iface
+    netem = subprocess.run(["tc", "-n", b.netns, "qdisc", "add", "dev", dev, "root", "netem",
+                            "loss", "10%", "delay", "200ms"], capture_output=True, text=True)
+    rule = None
+    if netem.returncode == 0:
+        what = "tc netem loss 10% delay 200ms"
+    else:
+        if shutil.which("iptables") is None:
+            pytest.skip("no tc netem in this kernel and no iptables (apt-get install iptables)")
+        sh(["tc", "-n", b.netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", "20mbit",
+            "burst", "32kb", "latency", "200ms"])
+        rule = ["OUTPUT", "-o", dev, "-m", "statistic", "--mode", "random", "--probability", "0.1",
+                "-j", "DROP"]
+        sh(hosts.cmd_in(b, ["iptables", "-A", *rule]))
+        what = "iptables random 10% DROP + tc tbf 20mbit, 200 ms queue"
+    try:
+        yield what
+    finally:
+        subprocess.run(["tc", "-n", b.netns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+        if rule:
+            subprocess.run(hosts.cmd_in(b, ["iptables", "-D", *rule]), capture_output=True)
+
+
+@pytest.mark.parametrize("framework,controller,tier", cells(
+    ("torch", "gloo", "full"), ("torch", "mpi", "full"), ("tf", "mpi", "full"), ("tf", "gloo", "full")))
+def test_lossy_slow_link_trains_on_to_the_same_weights(hosts, framework, controller, tier, tmp_path,
+                                                       jobs):
+    """A lossy, slow link to host B is not a dead rank: the job trains on, slower, and ends with
+    bit for bit the weights of the same job over the clean link (TCP hides the loss; the math is
+    the same)."""
+    module = MODULES[framework]
+    args = ["--train-samples", "512", "--test-samples", "200", "--batch-size", "32", "--epochs", "2",
+            "--no-progress", "--stall-timeout", str(STALL)]
+    results = {}
+    for label in ("clean", "lossy"):
+        out = tmp_path / f"{label}.json"
+        job = cross_host_job(hosts, controller, module, [*args, "--metrics-out", str(out)],
+                             str(tmp_path))
+        jobs.append(job)
+        with lossy_slow_link(hosts) if label == "lossy" else contextlib.nullcontext("clean") as what:
+            rc, took = job.wait_exit(300)
+        assert rc == 0 and not error_lines(job.output()), job.output()[-3000:]
+        results[label] = json.loads(out.read_text())
+        results[label]["wall"] = took
+        hosts.kill_strays()
+    clean, lossy = results["clean"], results["lossy"]
+    record(f"lossy link ({what})/{framework}/{controller}/fixed",
+           f"trained on, same weights; {clean['total_seconds']:.1f} s of training over the clean "
+           f"link", lossy["total_seconds"])
+    assert len(set(lossy["param_checksums"])) == 1
+    assert lossy["param_checksums"] == clean["param_checksums"]
+    assert [e["train_loss"] for e in lossy["epochs"]] == [e["train_loss"] for e in clean["epochs"]]
+
+
+# --- 4. a full disk during a checkpoint save ----------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB tmpfs: room for one checkpoint (1.5 MB) but not for the next one's temp file."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "ringtrain-test-tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {proc.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+@pytest.mark.parametrize("framework,mode,tier", cells(
+    ("torch", "fixed", "ci"), ("tf", "fixed", "full"), ("torch", "elastic", "full"),
+    ("tf", "elastic", "full")))
+def test_full_disk_keeps_the_previous_checkpoint_and_trains_on(framework, mode, tier, small_disk,
+                                                               tmp_path, jobs):
+    """The disk fills up during the second save: one warning line per lost save naming the
+    checkpoint that is still intact, the job trains on to the end (the choice documented in
+    docs/fault-tolerance.md), no temp file is left and the previous checkpoint loads."""
+    args = ["--train-samples", "512", "--test-samples", "200", "--batch-size", "32",
+            "--no-progress", "--stall-timeout", str(STALL), "--checkpoint-dir", str(small_disk)]
+    if mode == "fixed":
+        job = Job(launch_cmd(MODULES[framework], [*args, "--epochs", "3"], np=2), str(tmp_path),
+                  MODULES[framework])
+        jobs.append(job)
+        rc, _ = job.wait_exit(400)
+        out = job.output()
+        assert rc == 0, out[-3000:]
+    else:
+        from test_elastic import ElasticJob
+
+        elastic = ElasticJob(tmp_path, MODULES[framework], ["localhost:2"], np=2, max_np=2, epochs=3,
+                             extra=args)
+        try:
+            elastic.finish()
+        finally:
+            elastic.kill()
+        out = elastic.output()
+    warnings = [ln for ln in out.splitlines() if "warning: checkpoint" in ln]
+    assert len(warnings) == 2, out[-3000:]  # epochs 2 and 3
+    assert "ckpt-epoch0002" in warnings[0] and "No space left on device" in warnings[0], warnings[0]
+    assert "ckpt-epoch0001" in warnings[0] and "intact" in warnings[0], warnings[0]
+    assert not error_lines(out), out[-3000:]
+    assert re.search(r"epoch 3/3: ", out), out[-3000:]
+    assert assert_newest_checkpoint_loads(small_disk, framework) == 1
+    record(f"full disk/{framework}/{'mpi' if mode == 'fixed' else 'gloo'}/{mode}",
+           "warned at the failed save, trained on", None)
+
+
+# --- 6. Horovod's start-up failures: python -m launch.horovodrun ---------------------------------
+
+def wrapped_horovodrun(*argv: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "launch.horovodrun", *argv], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"})
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("case", ["silent", "refused", "unresolvable"])
+def test_unreachable_host_at_start_is_one_line(case):
+    """horovodrun alone, with a host that does not answer: 53 s of silence here, then
+    'RuntimeError: could not connect to some hosts via ssh' in a traceback.  The wrapper checks
+    every host's ssh banner first (5 s at most).  Hosts: a port that accepts but never speaks (a
+    hung host), a closed port, a name that does not resolve."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.2", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        host, why = {"silent": ("127.0.0.2", f"no answer on port {port} within 5 s"),
+                     "refused": ("127.0.0.3", f"port {port}: Connection refused"),
+                     "unresolvable": ("rt-no-such-host.invalid", "its name does not resolve")}[case]
+        proc, took = wrapped_horovodrun("-np", "2", "-H", f"localhost:1,{host}:1", "-p", str(port),
+                                        sys.executable, "-m", MODULES["torch"], "--epochs", "1")
+    record(f"unreachable host in -H ({case})/any/any/fixed", f"exit {proc.returncode}", took)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and f"host {host} ({why})" in lines[0], proc.stderr
+    assert "cannot be reached over ssh" in lines[0]
+
+
+def test_missing_slot_at_start_is_one_line():
+    """horovodrun alone: Open MPI's 20-line 'not enough slots' text after ~10 s."""
+    proc, took = wrapped_horovodrun("-np", "3", "-H", "localhost:2", sys.executable, "-m",
+                                    MODULES["torch"], "--epochs", "1")
+    record("missing slot (-np 3 -H localhost:2)/any/mpi/fixed", f"exit {proc.returncode}", took)
+    assert proc.returncode == 2, proc.stderr
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and "-np 3 needs 3 slots" in lines[0] and "localhost:2" in lines[0]
+
+
+def test_horovodrun_traceback_becomes_one_line():
+    """A failure horovodrun itself reports with a traceback (here: its ranks exit 3 under Gloo)
+    comes out as the exception's one line, with horovodrun's exit status."""
+    proc, _ = wrapped_horovodrun("--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-c",
+                                 "import sys; sys.exit(3)")
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: horovodrun: RuntimeError: Horovod "
+                                                   "detected"), proc.stderr
+
+
+# --- the pieces, without a job (fast) -----------------------------------------------------------
+
+def test_heartbeats_name_the_silent_rank_and_rank_0_decides():
+    """Two watchdogs exchange real UDP heartbeats through the start-up records; when rank 1 stops
+    sending, rank 0's verdict names it, and rank 1, hearing rank 0, leaves the verdict to it."""
+    from launch.watchdog import Watchdog
+
+    dogs = [Watchdog(4, r, 2, "gloo", elastic=False) for r in range(2)]
+    records, ready = [None, None], threading.Barrier(2)
+
+    def allgather(record, name):
+        records[record["rank"]] = record
+        ready.wait()
+        return list(records)
+
+    openers = [threading.Thread(target=d.open_channel, args=(allgather,)) for d in dogs]
+    for t in openers:
+        t.start()
+    for t in openers:
+        t.join()
+    for _ in range(3):  # three ticks of both: every heartbeat answered
+        for d in dogs:
+            d.exchange()
+    assert all(abs(d.seen[1 - d.rank] - time.monotonic()) < 5 for d in dogs)
+    assert dogs[0].check() is None  # progress is fresh
+    for d in dogs:
+        d.steps, d.last = 7, time.monotonic() - 5  # training, but no step for 5 s > 4 s
+    assert dogs[1].check() is None  # rank 0 answers: it is rank 0's call (for GRACE seconds)
+    dogs[0].seen[1] = time.monotonic() - 3  # rank 1 silent for 3 s > 4 / 2
+    verdict = dogs[0].check()
+    assert verdict and re.match(r"rank 1 \(.*\) is frozen, dead or unreachable \(no heartbeat",
+                                verdict), verdict
+    for d in dogs:
+        d.sock.close()
+
+
+GUARDED = """
+import os, sys, time
+from launch.watchdog import Watchdog
+dog = Watchdog(2, 1, 2, "gloo", elastic=True)
+dog.start_guardian()
+print(dog.guard.pid, flush=True)
+while True:
+    dog.feed_guardian()
+    time.sleep(0.2)
+"""
+
+
+def test_guardian_kills_its_frozen_rank_and_says_so():
+    """A stopped process cannot act; its guardian, fed by the rank's watchdog thread, kills it
+    after the limit (2 s here) with one line naming the rank and why."""
+    proc = subprocess.Popen([sys.executable, "-c", GUARDED], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        guardian = psutil.Process(int(proc.stdout.readline()))
+        time.sleep(1)
+        proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        took = time.monotonic() - t0
+        guardian.wait(timeout=10)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert 1.5 < took < 15, took  # 2 s after the last feed, which came <= 0.2 s before
+    lines = error_lines(err)
+    assert len(lines) == 1 and re.search(r"rank 1 \(.*pid \d+\) is frozen: stopped", lines[0]), err
+
+
+def test_horovodrun_flags_are_read_like_horovodrun(tmp_path):
+    from launch.horovodrun import exception_line, hosts_and_slots
+
+    assert hosts_and_slots(["-np", "4", "-H", "a:2,b", "python", "x.py"]) == [("a", 2), ("b", 1)]
+    assert hosts_and_slots(["-np", "2", "--gloo", "python", "x.py", "-H", "theirs:9"]) == []
+    assert hosts_and_slots(["--verbose", "-H=a:3", "--start-timeout", "9", "python"]) == [("a", 3)]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\nnode1 slots=4\nnode2 slots=2  # two GPUs\n")
+    assert hosts_and_slots(["--hostfile", str(hostfile)]) == [("node1", 4), ("node2", 2)]
+    assert exception_line(["Traceback (most recent call last):\n", '  File "x", line 1\n',
+                           "RuntimeError: first\n", "second line\n"]) == "RuntimeError: first second line"
