@@ -25,6 +25,12 @@ from bench import util
 # configure_mpi_progress; the bench loop sets it itself): without it, a waiting rank busy-polls
 # on the core its peer needs, which on a loaded machine puts tens of ms on every small allreduce.
 YIELD = {"OMPI_MCA_mpi_yield_when_idle": "1"}
+TRAIN_BATCH = 64  # per rank, bench/loopcommon.py's default: what the floor part's training used
+# A setting that takes d ms off one allreduce can save the loop about d ms per step (one fused
+# allreduce per step).  A gain per step far above that is not the floor (run of 2026-11-23 18:00:
+# HOROVOD_CYCLE_TIME=0.3 saved 133 ms per step, 48x its 2.8 ms cut, at load 16.5 while 0.1 saved
+# nothing): the verdict then says so and adopts nothing.
+EXPLAINED = 10
 VARIANTS = [
     ("default (cycle 1 ms, cache on, fusion 128 MiB)", {}),
     ("HOROVOD_CYCLE_TIME=0.1", {"HOROVOD_CYCLE_TIME": "0.1"}),
@@ -91,7 +97,8 @@ def _train(cfg: FloorConfig, out: Path, label: str, env: dict[str, str], round_:
     res_path = work / "loop.json"
     res_path.unlink(missing_ok=True)
     inner = [util.PY, "-m", "bench.torch_loop", "--wrapper", "horovod", "--data", "synthetic",
-             "--warmup-steps", str(cfg.train_warmup), "--steps", str(cfg.train_steps), "--out", str(res_path)]
+             "--warmup-steps", str(cfg.train_warmup), "--steps", str(cfg.train_steps),
+             "--batch-size", str(TRAIN_BATCH), "--out", str(res_path)]
     res = util.run(util.horovodrun(cfg.np, inner), env=util.base_env(**env), timeout=cfg.timeout_s,
                    log=work / "output.log")
     ips = util.read_json(res_path)["images_per_second"] if res.ok and res_path.exists() else None
@@ -110,9 +117,11 @@ def candidates(variants: list[dict], size: int, count: int, min_cut: float) -> l
     return sorted(cut, key=lambda v: v["seconds"][str(size)])[:count]
 
 
-def verdict(variants: list[dict], training: list[dict], size: int) -> str:
-    """Adopt a setting only if every training run with it beat every default run; reject it if
-    every run lost; otherwise its effect on training is within the noise (not adopted either)."""
+def verdict(variants: list[dict], training: list[dict], size: int, step_images: int | None = None) -> str:
+    """Adopt a setting only if every training run with it beat every default run by no more than
+    the floor it cuts can explain (``step_images``: images per step over all ranks, to turn
+    images/s into time per step); reject it if every run lost; otherwise its effect on training is
+    within the noise (not adopted either)."""
     if not variants or not variants[0].get("ok"):
         return "The default could not be measured; no verdict."
     base = variants[0]
@@ -126,19 +135,26 @@ def verdict(variants: list[dict], training: list[dict], size: int) -> str:
         if v["label"] not in runs:
             continue
         mine = runs[v["label"]]
+        cut = base["seconds"][str(size)] - v["seconds"][str(size)]
         floor = f"{size} B: {base['seconds'][str(size)] * 1e3:.2f} -> {v['seconds'][str(size)] * 1e3:.2f} ms"
+        against = f"median {median(mine):.0f} against {median(default):.0f} images/s" if default else ""
         if not default:
             parts.append(f"`{v['label']}` ({floor}): no default training run to compare with.")
         elif min(mine) > max(default):
-            parts.append(f"`{v['label']}` ({floor}) trained faster in every run (median {median(mine):.0f} "
-                         f"against {median(default):.0f} images/s): worth setting in the trainers.")
+            gain = step_images / median(default) - step_images / median(mine) if step_images else None
+            if gain is not None and cut > 0 and gain > EXPLAINED * cut:
+                parts.append(f"`{v['label']}` ({floor}) trained faster in every run ({against}), but by "
+                             f"{gain * 1e3:.0f} ms per step, {gain / cut:.0f}x the {cut * 1e3:.2f} ms it "
+                             "takes off one allreduce: more than the floor can explain, so not adopted "
+                             "(rerun on a quiet machine).")
+            else:
+                parts.append(f"`{v['label']}` ({floor}) trained faster in every run ({against}): worth "
+                             "setting in the trainers.")
         elif max(mine) < min(default):
-            parts.append(f"`{v['label']}` ({floor}) trained slower in every run (median {median(mine):.0f} "
-                         f"against {median(default):.0f} images/s): not adopted.")
+            parts.append(f"`{v['label']}` ({floor}) trained slower in every run ({against}): not adopted.")
         else:
-            parts.append(f"`{v['label']}` ({floor}): training within the run-to-run spread (median "
-                         f"{median(mine):.0f} against {median(default):.0f} images/s): not adopted, "
-                         "training pays the floor once per step.")
+            parts.append(f"`{v['label']}` ({floor}): training within the run-to-run spread ({against}): "
+                         "not adopted, training pays the floor once per step.")
     return " ".join(parts) if parts else "No setting cut the floor enough to be worth a training check."
 
 
@@ -154,4 +170,4 @@ def run_part(cfg: FloorConfig, out: Path) -> dict:
                 training.append(_train(cfg, out, v["label"], v["env"], round_))
     return {"config": cfg.to_dict(), "np": cfg.np, "sizes": cfg.sizes, "variants": variants,
             "mpi4py": ref.get("seconds", {}), "training": training,
-            "verdict": verdict(variants, training, smallest)}
+            "verdict": verdict(variants, training, smallest, TRAIN_BATCH * cfg.np)}
