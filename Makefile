@@ -37,6 +37,7 @@ bench-quick: bench-deps
 
 # The emulated cluster (4 network-namespace hosts on shaped links: collectives, bandwidth-bound
 # training, cost model, projection) and Horovod's small-message floor on one host: sections 6-7
-# of BENCHMARKS.md.  Needs root; about 40 min on 2 cores (ARGS=--quick: about 10).
+# of BENCHMARKS.md.  Needs root; on 2 cores at load average ~20 (2026-11-23) the cluster part took
+# 71 min and the floor part 9 min; ARGS=--quick for a short version that prints no comparisons.
 bench-cluster: bench-deps
 	$(PY) -m bench --only cluster,floor $(ARGS)
