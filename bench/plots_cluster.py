@@ -17,8 +17,10 @@ def _machine(results: dict) -> str:
     cl = results.get("cluster", {})
     m = cl.get("machine") or results.get("machine", {})
     quick = "QUICK MODE  |  " if results.get("meta", {}).get("quick") or cl.get("quick") else ""
+    load = m.get("load_average_at_start")
+    at_load = f", load average {load[0]:.1f} at the start" if load else ""
     return (f"{quick}{cl.get('hosts', '?')} netns hosts on one machine\n{m.get('cpu_model', '?')}, "
-            f"{m.get('cores', '?')} cores; measured {cl.get('started', '?')}")
+            f"{m.get('cores', '?')} cores; measured {cl.get('started', '?')}{at_load}")
 
 
 def busbw(results: dict, path: Path, plt) -> Path | None:
