@@ -176,7 +176,7 @@ class Job:
         """Optimizer step ``step`` (from 1) of ``steps`` in ``epoch`` has completed on this rank,
         gradient allreduce included.  ``loss`` is this rank's mean loss over the step's batch,
         ``consumed`` the samples of this epoch that all ranks together have trained on so far."""
-        watchdog.progress()  # watchdog: a step completed, its allreduce included
+        watchdog.progress(step=True)  # watchdog: a step completed, its allreduce included
         self.report.step(epoch, self.args.epochs, step, steps, loss)
         if self.board is not None and self.args.tensorboard_steps:
             value = loss() if callable(loss) else loss

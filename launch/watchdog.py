@@ -4,7 +4,7 @@ A rank that is frozen (SIGSTOP, a swap storm, a hung node) or cut off from its p
 fail: its peers wait in their next collective forever.  Horovod's stall check cannot help under
 MPI, because its coordinator thread is itself blocked in MPI waiting for the frozen rank (measured:
 ``kill -STOP`` of rank 1 of a ``--stall-timeout 30`` job, still running 150 s later).  Three
-pieces, all in this module, end such a job within ``--stall-timeout`` seconds and say why:
+pieces (the third in :mod:`launch.guardian`) end such a job within ``--stall-timeout`` seconds and say why:
 
 * **Progress clock** (every rank, a daemon thread).  The trainers call :func:`progress` after each
   optimizer step and each epoch's evaluation (a completed collective).  No progress for
@@ -23,7 +23,7 @@ pieces, all in this module, end such a job within ``--stall-timeout`` seconds an
   random job token that every datagram must carry.  Rank 0 owns the user-facing line; when rank
   0 itself is silent, the rank that notices says so instead, and any other rank steps in only
   :data:`GRACE` seconds after rank 0 should have.
-* **Guardian** (every rank, a tiny child process running this module).  The watchdog thread
+* **Guardian** (every rank, a tiny child process running :mod:`launch.guardian`).  The watchdog thread
   feeds it a byte every tick; a rank whose thread has not run for its limit is frozen as a
   whole, and the guardian SIGKILLs it.  That is what lets a launcher notice a frozen worker:
   an elastic job (where nothing else can end a stopped worker, and Horovod's driver waits for
@@ -50,32 +50,22 @@ import atexit
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 
+from launch.guardian import GRACE
+from launch.guardian import now as _now
+from launch.guardian import say as _say
+
 STALL_EXIT_CODE = 3
-GRACE = 10.0          # s a rank other than 0 waits beyond the timeout, for rank 0 to speak first
 ELASTIC_GRACE = 30.0  # s an elastic worker allows its peers for a re-form beyond the timeout
 # Before the first step: importing, loading data and TF's first trace took 11 s (torch, 2 ranks)
 # with 8 other jobs on the 2 cores here, and a 10 s test timeout fired before training began.
 STARTUP_GRACE = 60.0
 GUARD_FIXED_EXTRA = 2 * GRACE  # fixed jobs: the guardian is the last resort, after the ranks
-
-
-def _now() -> float:
-    return time.monotonic()
-
-
-def _say(line: str) -> None:
-    """One line on stderr, written at once (MPI's output tagging splits separate writes)."""
-    try:
-        os.write(2, f"error: {line}\n".encode())
-    except OSError:
-        pass
 
 
 def local_host() -> str:
@@ -176,7 +166,7 @@ class Watchdog:
         limit = self.timeout + (0 if self.elastic else GUARD_FIXED_EXTRA)
         try:
             self.guard = subprocess.Popen(
-                [sys.executable, "-m", "launch.watchdog", "--guard", str(os.getpid()),
+                [sys.executable, "-m", "launch.guardian", str(os.getpid()),
                  f"{limit:g}", local_host()],
                 # its own session: a launcher that kills the rank's process group must not take
                 # the guardian with it before it has seen the launcher end (see guard())
@@ -334,11 +324,15 @@ class Watchdog:
 _dog: Watchdog | None = None
 
 
-def progress() -> None:
-    """A step or a collective completed: the job is alive.  Cheap; call it freely."""
+def progress(step: bool = False) -> None:
+    """A training step (``step``) or a collective completed: the job is alive.  Cheap; call it
+    freely.  Only a step ends :data:`STARTUP_GRACE`: the first step traces the model (TensorFlow)
+    and can take longer than the timeout after the start-up collectives on a busy host (an
+    11 s stall after the data check's collective ended a test job at --stall-timeout 10 here
+    with 12 jobs' load on 2 cores)."""
     dog = _dog
     if dog is not None:
-        dog.steps += 1
+        dog.steps += step
         dog.last = _now()
 
 
@@ -385,16 +379,6 @@ def _disarm() -> None:
         dog.feed_guardian("bye")
 
 
-def keras_callback():
-    """A ``model.fit`` callback reporting each batch and each epoch's end as progress (put it
-    last: after the callbacks that evaluate and save at the epoch's end)."""
-    import keras
-
-    return keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda batch, logs=None: progress(),
-        on_epoch_end=lambda epoch, logs=None: progress())
-
-
 def is_collective_failure(err: BaseException) -> bool:
     """Horovod's own error type, or a TensorFlow op error raised by a Horovod op."""
     if type(err).__name__ == "HorovodInternalError":
@@ -417,113 +401,3 @@ def _install_excepthook() -> None:
             _say(dog.explain_failure(err))
 
     sys.excepthook = hook
-
-
-# --- the guardian process ------------------------------------------------------------------------
-
-def _proc_state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("State:"):
-                    return line.split(None, 1)[1].strip()
-    except OSError:
-        pass
-    return "?"
-
-
-def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
-
-
-MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "orted", "prterun", "prted")
-
-
-def _end_stuck_launcher(launcher: int | None) -> None:
-    """After its rank called MPI_Abort: if the MPI launcher (mpirun, or the host's orted) is still
-    there :data:`GRACE` seconds later, it is waiting for a host it cannot reach (measured: mpirun
-    waited for ever for the orted of a cut-off host), so interrupt it twice, as a user would
-    (Open MPI's second Ctrl-C forces it out), then kill it."""
-    if launcher is None or not _comm(launcher).startswith(MPI_LAUNCHERS):
-        return
-    # Let go of the rank's output pipes first: a launcher that waits for them to close must not
-    # wait for us.  (The rank's own line has said why the job ends.)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    for fd in (1, 2):
-        os.dup2(devnull, fd)
-    deadline = _now() + GRACE
-    while _now() < deadline:
-        if not os.path.exists(f"/proc/{launcher}"):
-            return
-        time.sleep(0.5)
-    for sig, wait in ((signal.SIGINT, 1.0), (signal.SIGINT, 5.0), (signal.SIGKILL, 0.0)):
-        try:
-            os.kill(launcher, sig)
-        except ProcessLookupError:
-            return
-        end = _now() + wait
-        while _now() < end and os.path.exists(f"/proc/{launcher}"):
-            time.sleep(0.2)
-
-
-def guard(pid: int, limit: float, host: str) -> int:
-    """Watch rank process ``pid`` through its feed on stdin: SIGKILL it when the feed has been
-    quiet for ``limit`` seconds (the whole process is frozen); when the feed ends (the rank is
-    gone) after an ``abort`` line, see that the MPI launcher ends too; else exit."""
-    import selectors
-
-    launcher = _parent_of(pid)
-    rank, last, aborting = "?", _now(), False
-    sel = selectors.DefaultSelector()
-    sel.register(sys.stdin.buffer, selectors.EVENT_READ)
-    buf = b""
-    while True:
-        if sel.select(timeout=1.0):
-            chunk = os.read(sys.stdin.fileno(), 4096)
-            if not chunk:  # the rank ended
-                if aborting:
-                    _end_stuck_launcher(launcher)
-                return 0
-            buf = (buf + chunk)[-64:]
-            lines = [ln.decode(errors="replace").strip() for ln in buf.split(b"\n")[:-1]]
-            if "bye" in lines:
-                return 0  # the rank is exiting normally
-            aborting = aborting or "abort" in lines
-            if lines and lines[-1].isdigit():
-                rank = lines[-1]
-            last = _now()
-        if not os.path.exists(f"/proc/{pid}"):
-            if aborting:
-                _end_stuck_launcher(launcher)
-            return 0
-        quiet = _now() - last
-        if quiet > limit and not aborting:
-            state = _proc_state(pid)
-            why = {"T": "stopped (SIGSTOP?)", "t": "stopped by a debugger",
-                   "D": "stuck in the kernel (disk, NFS?)"}.get(
-                state[:1], f"process state {state}, but its Python threads do not run")
-            _say(f"rank {rank} ({host}, pid {pid}) is frozen: {why}, its watchdog has not run for "
-                 f"{quiet:.0f} s; killed it so that the job can end or carry on without it")
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--guard":
-        sys.exit(guard(int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]))
-    sys.exit("usage: python -m launch.watchdog --guard PID LIMIT_SECONDS HOST (started by the trainers)")

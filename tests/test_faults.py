@@ -119,8 +119,7 @@ class Job:
         found = []
         for proc in psutil.process_iter(["cmdline"]):
             cmd = proc.info["cmdline"] or []
-            if "launch.watchdog" in cmd and "--guard" in cmd and int(cmd[cmd.index("--guard") + 1]) \
-                    in self.rank_pids:
+            if "launch.guardian" in cmd and int(cmd[cmd.index("launch.guardian") + 1]) in self.rank_pids:
                 found.append(proc)
         return found
 
@@ -588,6 +587,21 @@ def test_heartbeats_name_the_silent_rank_and_rank_0_decides():
                                 verdict), verdict
     for d in dogs:
         d.sock.close()
+
+
+def test_only_a_training_step_ends_the_start_up_grace(monkeypatch):
+    """Start-up collectives (data check, broadcast) keep the clock fresh but leave the grace for
+    the first step, which traces the model; after one step the plain timeout applies."""
+    from launch import watchdog
+
+    dog = watchdog.Watchdog(4, 0, 1, "gloo", elastic=False)
+    monkeypatch.setattr(watchdog, "_dog", dog)
+    watchdog.progress()  # a collective
+    dog.last = time.monotonic() - 5  # 5 s > 4 s, but no step yet
+    assert dog.check() is None
+    watchdog.progress(step=True)
+    dog.last = time.monotonic() - 5
+    assert dog.check() and "no training step or collective completed on rank 0" in dog.check()
 
 
 GUARDED = """
