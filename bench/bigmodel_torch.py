@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import torchvision
 
 from bench.bigmodel import env_rank, parser, summary, tcp_barrier, write
-from bench.loopcommon import StepClock
+from bench.loopcommon import StepClock, slowest_torch
 
 MODELS = ("resnet18", "resnet50", "resnet101", "vgg16")
 
@@ -73,16 +73,12 @@ def main() -> None:
         steps.append(time.perf_counter() - t0)
         clock.tick()
     clock.stop()
-    seconds = torch.tensor([clock.seconds])
-    if hvd is not None:
-        seconds = hvd.allreduce(seconds, op=hvd.Max, name="bench_seconds")
-    elif dist is not None:
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    elif args.wrapper == "alone":
+    seconds = slowest_torch(clock.seconds, hvd, dist)
+    if args.wrapper == "alone":
         tcp_barrier(rank, size, 1)  # rank 0's window ends after everyone's started
     if rank == 0:
         write(args.out, summary(args, framework="torch", size=size, grad_bytes=grad_bytes,
-                                step_seconds=steps[args.warmup_steps:], timed_seconds=float(seconds[0]),
+                                step_seconds=steps[args.warmup_steps:], timed_seconds=seconds,
                                 cpu_seconds=clock.cpu_seconds, extra={"torch": torch.__version__}))
     if dist is not None:
         dist.destroy_process_group()
