@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 NP ?= 4
 ARGS ?=
 
-.PHONY: setup run run-tf test lint bench bench-quick
+.PHONY: setup run run-tf test lint bench bench-quick bench-cluster
 
 setup:
 	bash .ci/setup
@@ -34,3 +34,10 @@ bench: bench-deps
 
 bench-quick: bench-deps
 	$(PY) -m bench --quick $(ARGS)
+
+# The emulated cluster (4 network-namespace hosts on shaped links: collectives, bandwidth-bound
+# training, cost model, projection) and Horovod's small-message floor on one host: sections 6-7
+# of BENCHMARKS.md.  Needs root; on 2 cores at load average ~20 (2026-11-23) the cluster part took
+# 71 min and the floor part 9 min; ARGS=--quick for a short version that prints no comparisons.
+bench-cluster: bench-deps
+	$(PY) -m bench --only cluster,floor $(ARGS)

@@ -3,7 +3,10 @@ BENCHMARKS.md.
 
 Parts: ``throughput`` (training throughput and scaling, Horovod's cost at -np 1, and the peers
 DDP / MultiWorkerMirroredStrategy: one part, because they share runs), ``collectives`` and
-``accuracy`` (time to 99%).  Each part's JSON is written to ``<out>/<part>.json`` as soon as it
+``accuracy`` (time to 99%): the default; ``cluster`` (an emulated cluster of network-namespace
+hosts with shaped links: collectives, bandwidth-bound training, cost model and projection; root
+only) and ``floor`` (Horovod's small-message floor on one host): ``--only cluster,floor``, what
+``make bench-cluster`` runs.  Each part's JSON is written to ``<out>/<part>.json`` as soon as it
 finishes; ``results.json`` merges the latest of each, so ``--only`` reruns one part and keeps the
 others.  ``--profile RUN`` runs only that run (names as printed, e.g.
 ``torch/trainer/horovod/mnist/np2``) under py-spy, optionally with Horovod's timeline.
@@ -17,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import accuracy, collectives, config, machine, profiling, report, throughput, util
+from bench import accuracy, cluster, collectives, config, floor, machine, profiling, report, throughput, util
 from bench.jobs import Profiling, Run, execute
 
 PARTS = report.PARTS
@@ -39,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a few minutes: -np 1,2, short runs, proxy accuracy")
-    p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts: {', '.join(PARTS)}")
+    p.add_argument("--only", default=",".join(report.DEFAULT_PARTS),
+                   help=f"comma-separated parts: {', '.join(PARTS)} "
+                        f"(default: {', '.join(report.DEFAULT_PARTS)})")
     p.add_argument("--frameworks", default="torch,tf", help="torch, tf or both (default)")
     p.add_argument("--out", default="bench/results", help="results folder (default bench/results)")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="report to (re)generate")
@@ -88,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             data = throughput.run_part(cfg, out, frameworks)
         elif part == "collectives":
             data = collectives.run_part(cfg, out)
+        elif part == "cluster":
+            data = cluster.run_part(cluster.quick() if args.quick else cluster.full(), out)
+        elif part == "floor":
+            data = floor.run_part(floor.quick() if args.quick else floor.full(), out)
         else:
             data = accuracy.run_part(cfg, out, frameworks)
         data["quick"] = cfg.quick

@@ -4,14 +4,22 @@ IMPL is ``hvd`` (``horovod.torch`` allreduce; the controller, MPI or Gloo, is th
 choice), ``mpi4py`` (``Comm.Allreduce``), ``torch`` (``torch.distributed`` over gloo, under
 ``torchrun``) or ``ps`` (a parameter server written with mpi4py point-to-point calls: every worker
 ``Send``s its buffer to rank 0, which ``Recv``s and sums them and ``Send``s the sum back, so all
-traffic is explicit and counted).  Every op sums float32 buffers in place; before each timed
-repetition the buffer is refilled with ones and the ranks meet at a barrier, and after it the
-result is checked (it must be N everywhere).
+traffic is explicit and counted) or ``hier`` (hierarchical, with mpi4py: ``Reduce`` to one rank
+per host, ``Allreduce`` among those, ``Bcast`` back on each host; a host is a network namespace).
+Every op sums float32 buffers in place; before each timed repetition the buffer is refilled with
+ones and the ranks meet at a barrier, and after it the result is checked (it must be N
+everywhere).
+
+``--count-iface IF``: every rank also reads the kernel's byte counters of interface IF (in its
+own network namespace, ``/proc/net/dev``) before and after each size's timed repetitions, so the
+bytes that really crossed each host's link are known per repetition (the emulated cluster,
+``bench/cluster.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
@@ -26,6 +34,33 @@ class PSCounter:
     def __init__(self) -> None:
         self.sent = 0
         self.received = 0
+
+
+def iface_bytes(iface: str, path: str = "/proc/net/dev") -> tuple[int, int]:
+    """(tx, rx) bytes of ``iface`` so far, in the reading process's network namespace."""
+    with open(path) as fh:
+        for line in fh:
+            name, _, rest = line.partition(":")
+            if name.strip() == iface:
+                fields = rest.split()
+                return int(fields[8]), int(fields[0])
+    raise RuntimeError(f"no interface {iface!r} in {path}")
+
+
+def host_id() -> str:
+    """Which emulated host this rank is on: its network namespace (``net:[inode]``)."""
+    return os.readlink("/proc/self/ns/net")
+
+
+def hier_allreduce(comms, buf: np.ndarray) -> None:
+    """Sum over all ranks in two levels: to the host's first rank, among hosts, back on the host."""
+    local, cross, MPI = comms
+    if local.Get_rank() == 0:
+        local.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=0)
+        cross.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    else:
+        local.Reduce(buf, None, op=MPI.SUM, root=0)
+    local.Bcast(buf, root=0)
 
 
 def ps_allreduce(comm, buf: np.ndarray, tmp: np.ndarray, counter: PSCounter | None = None) -> None:
@@ -77,6 +112,11 @@ class Backend:
             self.comm, self.MPI = MPI.COMM_WORLD, MPI
             self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
             self.controller = "mpi"
+            if impl == "hier":
+                hosts = sorted(set(self.comm.allgather(host_id())))
+                local = self.comm.Split(hosts.index(host_id()), self.rank)
+                cross = self.comm.Split(local.Get_rank(), self.rank)
+                self.hier = (local, cross, MPI)
 
     def buffer(self, nbytes: int) -> Any:
         n = nbytes // 4
@@ -98,6 +138,8 @@ class Backend:
             self.dist.all_reduce(buf)
         elif self.impl == "mpi4py":
             self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        elif self.impl == "hier":
+            hier_allreduce(self.hier, buf)
         else:
             ps_allreduce(self.comm, buf, self.tmp, self.counter)
 
@@ -118,6 +160,13 @@ class Backend:
             return box[0]
         return self.comm.bcast(obj, root=0)
 
+    def close(self) -> None:
+        """End torch.distributed cleanly: a rank 0 that hosts the rendezvous store (launched
+        without torchrun) otherwise aborts at exit ("terminate called without an active
+        exception")."""
+        if self.impl == "torch":
+            self.dist.destroy_process_group()
+
     def gather(self, obj) -> list:
         if self.impl == "hvd":
             return self.hvd.allgather_object(obj, name="bench_gather")
@@ -128,7 +177,8 @@ class Backend:
         return self.comm.allgather(obj)
 
 
-def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float) -> dict:
+def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float,
+            iface: str | None = None) -> dict:
     buf = be.buffer(nbytes)
     t_est = 0.0
     for _ in range(warmup):
@@ -140,6 +190,9 @@ def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float) -> 
     n = be.bcast(int(min(reps, max(3, budget // max(t_est, 1e-6)))))
     be.counter.sent = be.counter.received = 0
     times = []
+    if iface:
+        be.barrier()
+        before = iface_bytes(iface)
     for _ in range(n):
         be.refill(buf)
         be.barrier()
@@ -148,30 +201,40 @@ def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float) -> 
         times.append(time.perf_counter() - t0)
         if float(buf[0]) != be.size or float(buf[-1]) != be.size:
             raise RuntimeError(f"{be.impl}: wrong sum {float(buf[0])} (expected {be.size})")
+    link = None
+    if iface:
+        be.barrier()  # every rank's sends have left: all of this size's frames are counted
+        after = iface_bytes(iface)
+        link = be.gather({"host": host_id(), "tx": (after[0] - before[0]) / n,
+                          "rx": (after[1] - before[1]) / n})
     all_times = be.gather(times)
     counts = be.gather((be.counter.sent // n, be.counter.received // n))
     return {"bytes": nbytes, "reps": n, "seconds": median_of_max(all_times),
             "min_seconds": min(max(rep) for rep in zip(*all_times, strict=True)),
-            "moved_bytes_per_rank": [list(c) for c in counts] if be.impl == "ps" else None}
+            "moved_bytes_per_rank": [list(c) for c in counts] if be.impl == "ps" else None,
+            "link_bytes_per_rank": link}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--impl", choices=("hvd", "mpi4py", "torch", "ps"), required=True)
+    p.add_argument("--impl", choices=("hvd", "mpi4py", "torch", "ps", "hier"), required=True)
     p.add_argument("--sizes", required=True, help="comma-separated byte counts")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--budget", type=float, default=4.0, help="seconds per size, roughly")
     p.add_argument("--out", required=True)
+    p.add_argument("--count-iface", default=None, help="count this interface's bytes per size")
     args = p.parse_args()
     be = Backend(args.impl)
-    rows = [measure(be, int(s), args.warmup, args.reps, args.budget) for s in args.sizes.split(",")]
+    rows = [measure(be, int(s), args.warmup, args.reps, args.budget, args.count_iface)
+            for s in args.sizes.split(",")]
     if be.rank == 0:
         import json
         from pathlib import Path
 
         Path(args.out).write_text(json.dumps({"impl": args.impl, "controller": be.controller,
                                               "world_size": be.size, "rows": rows}, indent=2))
+    be.close()
 
 
 if __name__ == "__main__":

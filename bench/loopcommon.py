@@ -70,6 +70,19 @@ class StepClock:
         self.cpu_seconds = time.process_time() - self.cpu0
 
 
+def slowest_torch(seconds: float, hvd, dist) -> float:
+    """The slowest rank's timed window (PyTorch loops; ``hvd`` or ``dist``, whichever is in use,
+    else this process's own): every rank issues the same collective under the same name."""
+    import torch
+
+    t = torch.tensor([seconds])
+    if hvd is not None:
+        t = hvd.allreduce(t, op=hvd.Max, name="bench_seconds")
+    elif dist is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
 def write_result(path: str | None, *, framework: str, wrapper: str, data: str, size: int,
                  batch: int, steps: int, seconds: float, threads: int, extra: dict | None = None) -> None:
     if not path:

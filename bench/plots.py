@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench import tables  # noqa: E402
+from bench import plots_cluster, tables  # noqa: E402
 
 FW_NAMES = tables.FW_NAMES
 SERIES = [  # (kind, wrapper, data, label, style)
@@ -22,12 +22,13 @@ SERIES = [  # (kind, wrapper, data, label, style)
 ]
 
 
-def _stamp(fig, results: dict) -> None:
-    """Say on the figure itself which machine and mode it comes from (figures travel alone)."""
-    m = results.get("machine", {})
+def _stamp(fig, results: dict, part: str) -> None:
+    """Say on the figure itself which machine and mode it comes from (figures travel alone): the
+    machine and time of the part it shows (parts run hours, or machines, apart)."""
+    m = results.get(part, {}).get("machine") or results.get("machine", {})
     quick = "QUICK MODE (not a benchmark)  |  " if results.get("meta", {}).get("quick") else ""
-    fig.suptitle(f"{quick}{m.get('cpu_model', '?')}, {m.get('cores', '?')} cores, "
-                 f"{results.get('meta', {}).get('started', '')}", fontsize=9,
+    started = results.get(part, {}).get("started") or results.get("meta", {}).get("started", "")
+    fig.suptitle(f"{quick}{m.get('cpu_model', '?')}, {m.get('cores', '?')} cores, {started}", fontsize=9,
                  color="red" if quick else "black")
 
 
@@ -56,7 +57,7 @@ def scaling(results: dict, path: Path) -> Path | None:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-    return _save(fig, results, path)
+    return _save(fig, results, path, "throughput")
 
 
 def bandwidth(results: dict, path: Path) -> Path | None:
@@ -65,7 +66,7 @@ def bandwidth(results: dict, path: Path) -> Path | None:
     if not nps:
         return None
     fig, axes = plt.subplots(1, len(nps), figsize=(6.2 * len(nps), 4.6), squeeze=False)
-    limit = tables.memory_limit(results["machine"])
+    limit = tables.memory_limit(results.get("collectives", {}).get("machine") or results["machine"])
     for ax, np in zip(axes[0], nps, strict=True):
         for rec in coll:
             if rec["np"] != np or not rec.get("ok"):
@@ -82,7 +83,7 @@ def bandwidth(results: dict, path: Path) -> Path | None:
         ax.set_ylabel("GB/s")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    return _save(fig, results, path)
+    return _save(fig, results, path, "collectives")
 
 
 def accuracy(results: dict, path: Path) -> Path | None:
@@ -104,7 +105,7 @@ def accuracy(results: dict, path: Path) -> Path | None:
     ax.set_title("time to accuracy" + (" (QUICK PROXY)" if acc.get("proxy") else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, results, path)
+    return _save(fig, results, path, "accuracy")
 
 
 def render_all(results: dict, folder: Path) -> dict[str, str]:
@@ -114,12 +115,13 @@ def render_all(results: dict, folder: Path) -> dict[str, str]:
         out = fn(results, folder / f"{name}.png")
         if out:
             made[name] = out.name
+    made.update(plots_cluster.render(results, folder, plt))
     return made
 
 
-def _save(fig, results: dict, path: Path) -> Path:
+def _save(fig, results: dict, path: Path, part: str) -> Path:
     """Stamp the machine and run time, write the PNG, free the figure."""
-    _stamp(fig, results)
+    _stamp(fig, results, part)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -13,7 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench.loopcommon import StepClock, mnist_shard, parser, synthetic_batch, write_result
+from bench.loopcommon import StepClock, mnist_shard, parser, slowest_torch, synthetic_batch, write_result
 from launch.runtime import configure_mpi_progress, threads_per_rank
 from torch_models.model import MnistCNN
 
@@ -69,14 +69,10 @@ def main() -> None:
         clock.tick()
     clock.stop()
     # every rank's clock, the slowest one counts (they finish together up to one step anyway)
-    seconds = torch.tensor([clock.seconds])
-    if hvd is not None:
-        seconds = hvd.allreduce(seconds, op=hvd.Max, name="bench_seconds")
-    elif dist is not None:
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    seconds = slowest_torch(clock.seconds, hvd, dist)
     if rank == 0:
         write_result(args.out, framework="torch", wrapper=args.wrapper, data=args.data, size=size,
-                     batch=args.batch_size, steps=args.steps, seconds=float(seconds[0]),
+                     batch=args.batch_size, steps=args.steps, seconds=seconds,
                      threads=threads, extra={"torch": torch.__version__,
                             "rank0_cores_busy": clock.cpu_seconds / clock.seconds})
     if dist is not None:

@@ -174,3 +174,213 @@ def test_plots_render(tmp_path):
     made = render_all(fake_results(quick=False), tmp_path)
     assert set(made) == {"scaling", "bandwidth", "accuracy"}
     assert all((tmp_path / f).stat().st_size > 1000 for f in made.values())
+
+
+# -- the emulated cluster's pure parts (bench/costmodel.py, projection.py, report_cluster.py) --------
+
+from bench import costmodel, floor, projection  # noqa: E402
+from bench.coll_worker import iface_bytes  # noqa: E402
+
+
+def test_ring_and_server_formulas():
+    k = 1 << 20
+    assert costmodel.ring_link_bytes(k, 4) == 1.5 * k
+    assert costmodel.ps_link_bytes(k, 4) == 3 * k
+    # two ranks per host on 2 hosts: a flat ring still sends one edge's traffic through each link;
+    # the hierarchical one only the hosts' ring
+    assert costmodel.formula_link_bytes("ring", k, 4, 2) == 1.5 * k
+    assert costmodel.formula_link_bytes("hier", k, 4, 2) == k
+    # the server's in and out phases add up; a ring's send and receive overlap
+    assert costmodel.formula_seconds("ps", k, 4, 4, 1e6) == pytest.approx(6 * k / 1e6)
+    assert costmodel.formula_seconds("ring", k, 4, 4, 1e6) == pytest.approx(1.5 * k / 1e6)
+
+
+def test_busiest_link_counts_each_host_once():
+    per_rank = [{"host": "net:[1]", "tx": 100.0, "rx": 90.0}, {"host": "net:[1]", "tx": 100.0, "rx": 90.0},
+                {"host": "net:[2]", "tx": 80.0, "rx": 120.0}]
+    link = costmodel.busiest_link(per_rank)
+    assert link["hosts_seen"] == 2
+    assert link["busiest_bytes"] == 120.0
+    assert len(link["per_host"]) == 2
+
+
+def test_alpha_beta_fit_recovers_its_parameters():
+    c, alpha, bw = 1.2e-3, 80e-6, 110e6
+    pts = [(k, n, c + 2 * (n - 1) * alpha + costmodel.ring_link_bytes(k, n) / bw)
+           for k in (65536, 1 << 20, 16 << 20, 64 << 20) for n in (2, 3, 4)]
+    m = costmodel.fit_alpha_beta(pts)
+    assert (m.c, m.alpha, m.bandwidth) == (pytest.approx(c), pytest.approx(alpha), pytest.approx(bw))
+    assert m.max_rel_error < 1e-9
+    assert m.seconds(1 << 20, 4) == pytest.approx(c + 6 * alpha + 1.5 * (1 << 20) / bw)
+    # the server's model: 2(N-1) x (alpha + K beta)
+    ps = costmodel.fit_alpha_beta([(k, n, 2 * (n - 1) * (20e-6 + k / bw)) for k in (65536, 1 << 22)
+                                   for n in (2, 4)], kind="ps")
+    assert (ps.alpha, ps.bandwidth) == (pytest.approx(20e-6), pytest.approx(bw))
+
+
+def test_alpha_beta_fit_with_one_host_count_and_negative_terms():
+    # one N: c and alpha are the same term, alpha is left out
+    m = costmodel.fit_alpha_beta([(k, 4, 2e-3 + 1.5 * k / 1e8) for k in (65536, 1 << 20, 1 << 24)])
+    assert m.alpha == 0 and m.c == pytest.approx(2e-3) and m.bandwidth == pytest.approx(1e8)
+    # pure bandwidth with a little noise: no negative fixed cost comes out
+    m = costmodel.fit_alpha_beta([(k, n, costmodel.ring_link_bytes(k, n) / 1e8 * (1.01 if n == 3 else 1))
+                                  for k in (1 << 20, 1 << 24) for n in (2, 3, 4)])
+    assert m.c >= 0 and m.alpha >= 0 and m.bandwidth == pytest.approx(1e8, rel=0.02)
+
+
+def test_training_step_prediction_and_projection():
+    assert costmodel.predicted_step(1.0, 0.5) == 1.5
+    assert costmodel.predicted_step(1.0, 0.5, overlap=1.0) == 1.0
+    kw = dict(compute_s=0.5, grad_bytes=178e6, gpus_per_server=4, link_bits_per_s=25e9, alpha=50e-6,
+              c=1e-3, fusion_bytes=128 * 2**20)
+    one_server = costmodel.projected_efficiency(workers=4, **kw)
+    assert one_server["efficiency"] == 1.0 and one_server["comm_s"] == 0
+    effs = [costmodel.projected_efficiency(workers=w, **kw)["efficiency"] for w in (16, 64, 512)]
+    assert effs == sorted(effs, reverse=True) and 0 < effs[-1] < 1
+    r = costmodel.projected_efficiency(workers=512, **kw)
+    # 128 servers: 2 x 127/128 x 178 MB at 25 Gbit/s x 1448/1514, 2 fusion buffers of 2 x 127 steps
+    assert r["transfer_s"] == pytest.approx(2 * 127 / 128 * 178e6 / (25e9 / 8 * 1448 / 1514))
+    assert r["latency_s"] == pytest.approx(2 * (1e-3 + 254 * 50e-6))
+
+
+def test_implied_overlap_inverts_the_step_model():
+    step = costmodel.predicted_step(0.5, 0.2, overlap=0.4)
+    assert costmodel.implied_overlap(0.5, 0.2, 0.5 / step) == pytest.approx(0.4)
+    assert costmodel.implied_overlap(0.5, 0.2, 0.5 / 0.7) == pytest.approx(0.0)
+
+
+def test_projection_compute_times_from_the_cited_numbers():
+    assert 1 / projection.seconds_per_image("vgg16") == pytest.approx(154.0)
+    # ResNet-101 between ResNet-50 (219/s) and ResNet-152 (91.8/s), by FLOPs (7.6 of 3.8..11.3)
+    assert 1 / projection.seconds_per_image("resnet101") == pytest.approx(128.7, abs=0.1)
+    rows = projection.table({"resnet101": 44_549_160, "vgg16": 138_357_544}, alpha=50e-6, c=1e-3)
+    assert len(rows) == 2 * len(projection.LINKS) * len(projection.WORKERS)
+    for r in rows:
+        assert 0 < r["efficiency_serial"] <= r["efficiency_overlapped"] <= 1
+
+
+def test_iface_bytes_reads_proc_net_dev(tmp_path):
+    dev = tmp_path / "dev"
+    dev.write_text("Inter-|   Receive                                                |  Transmit\n"
+                   " face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets\n"
+                   "    lo:     100       2    0    0    0     0          0         0      100       2"
+                   "    0    0    0     0       0          0\n"
+                   "rtceth0: 5000  10    0    0    0     0          0         0     7000      12    0    0"
+                   "    0     0       0          0\n")
+    assert iface_bytes("rtceth0", str(dev)) == (7000, 5000)
+    with pytest.raises(RuntimeError):
+        iface_bytes("eth9", str(dev))
+
+
+def test_floor_verdict_adopts_only_clear_wins():
+    variants = [{"label": "default", "ok": True, "seconds": {"4096": 1.1e-3}},
+                {"label": "fast", "ok": True, "seconds": {"4096": 0.2e-3}},
+                {"label": "same", "ok": True, "seconds": {"4096": 1.05e-3}}]
+    assert [v["label"] for v in floor.candidates(variants, 4096, 2, 0.8)] == ["fast"]
+    training = [{"label": "default", "images_per_second": v} for v in (1000, 1100)]
+    wins = training + [{"label": "fast", "images_per_second": v} for v in (1200, 1150)]
+    assert "worth setting" in floor.verdict(variants, wins, 4096)
+    noise = training + [{"label": "fast", "images_per_second": v} for v in (1050, 1120)]
+    assert "not adopted" in floor.verdict(variants, noise, 4096)
+    loses = training + [{"label": "fast", "images_per_second": v} for v in (800, 900)]
+    assert "slower in every run" in floor.verdict(variants, loses, 4096)
+    # 128 images per step: medians 1050 -> 1175 images/s save 13 ms per step, 14x the 0.9 ms cut
+    assert "more than the floor can explain" in floor.verdict(variants, wins, 4096, 128)
+    small = training + [{"label": "fast", "images_per_second": v} for v in (1110, 1105)]
+    assert "worth setting" in floor.verdict(variants, small, 4096, 128)  # 6.3 ms per step: 7x
+
+
+def fake_cluster(quick: bool = False) -> dict:
+    """A small cluster.json: 1g profile measured at 2 and 4 hosts, unshaped at 4."""
+    rate = 125e6
+    drate = rate * costmodel.TCP_PAYLOAD_FRACTION
+
+    def coll(impl, profile, n, formula="ring", eff=0.9, slots=1):
+        rows = []
+        for k in (65536, 1 << 20, 64 << 20):
+            t = 1e-3 + 2 * (n * slots - 1) * 50e-6 + costmodel.formula_seconds(
+                formula, k, n * slots, n, drate * eff)
+            link = costmodel.formula_link_bytes(formula, k, n * slots, n) * 1.002
+            rows.append({"bytes": k, "seconds": t, "busbw": costmodel.ring_link_bytes(k, n * slots) / t,
+                         "busiest_link_bytes": link, "formula_link_bytes": link / 1.002, "hosts_seen": n})
+        return {"profile": profile, "impl": impl, "hosts": n, "slots": slots, "ranks": n * slots,
+                "formula": formula, "ok": True, "rows": rows}
+
+    def train(fw, wrapper, profile, n, t, variant="default", slots=1):
+        return {"name": f"{fw}/{wrapper}/{variant}/{profile}/h{n}x{slots}", "framework": fw,
+                "wrapper": wrapper, "variant": variant, "profile": profile, "hosts": n, "slots": slots,
+                "ok": True,
+                "result": {"seconds_per_step": t, "gradient_bytes": 46_758_048, "fp16": "fp16" in variant,
+                           "model": "resnet18", "batch_size_per_rank": 32}}
+
+    colls = [coll(i, "1g", n, eff=0.85 if i != "horovod-mpi" else 0.45)
+             for i in ("horovod-mpi", "horovod-mpi-ring", "torch-gloo") for n in (2, 4)]
+    colls += [coll("mpi4py-param-server", "1g", n, "ps") for n in (2, 4)]
+    colls += [coll("horovod-mpi-ring", "unshaped", 4), coll("mpi4py-hierarchical", "1g", 2, "hier", slots=2)]
+    for c in colls:
+        if c["profile"] == "unshaped":
+            for r in c["rows"]:
+                r["seconds"] /= 5
+    training = [train("torch", "none", "unshaped", 1, 0.35), train("torch", "alone", "unshaped", 2, 0.6),
+                train("torch", "alone", "unshaped", 4, 1.2), train("torch", "horovod", "unshaped", 2, 0.7),
+                train("torch", "horovod", "unshaped", 4, 1.4), train("torch", "horovod", "1g", 2, 1.3),
+                train("torch", "horovod", "1g", 4, 2.2), train("torch", "ddp", "1g", 4, 2.0),
+                train("torch", "horovod", "1g", 4, 1.8, "mpi-ring"),
+                train("torch", "horovod", "1g", 4, 1.5, "mpi-ring+fp16")]
+    return {"quick": quick, "started": "2026-11-23 16:00 UTC", "duration_s": 1800, "hosts": 4,
+            "netem_missing": "the kernel has no sch_netem",
+            "tcp_payload_fraction": costmodel.TCP_PAYLOAD_FRACTION,
+            "config": {"coll_sizes": [65536, 1 << 20, 64 << 20], "train_warmup": 3, "train_steps": 8,
+                       "image_size": 32},
+            "machine": {"cpu_model": "Test CPU", "cores": 2, "load_average_at_start": [1.0, 1.0, 1.0]},
+            "profiles": {"unshaped": {"label": "unshaped (veth + bridge, no tc)", "rate_bit": None,
+                                      "probe": {"rtt_s": 60e-6, "stream_bytes_per_s": 6e8}},
+                         "1g": {"label": "1 Gbit/s + 0.2 ms", "rate_bit": 1e9, "delay_s_requested": 2e-4,
+                                "delay_s_applied": 0.0,
+                                "probe": {"rtt_s": 80e-6, "stream_bytes_per_s": 1.17e8}}},
+            "models": {"resnet101": 44_549_160, "vgg16": 138_357_544},
+            "collectives": colls, "training": training}
+
+
+def test_cluster_report_renders_the_checks():
+    from bench.report import render
+
+    res = fake_results(quick=False)
+    res["cluster"] = fake_cluster()
+    md = render(res)
+    assert "## 6. Emulated cluster" in md
+    assert "No delay or loss was applied" in md
+    assert "Done-when check, 1 Gbit/s, 4 hosts, 64 MiB" in md
+    assert "| mpi4py-param-server | 4 |" in md  # time vs N with its formula
+    assert "1.00x" in md  # busiest link counted / formula
+    assert "exchange efficiency (alone / step)" in md
+    # horovod 1g at 4 hosts: alone 1.2 / 2.2; unshaped 1.4 / 2.2; one process 0.35 / 2.2
+    assert "| 4 | horovod | 1 Gbit/s + 0.2 ms | 2.20 | 55% | 64% | 16% |" in md
+    assert "The cost model against the training runs" in md
+    assert "### 6.4 Projection to hundreds of workers" in md and "paper, 512 GPUs" in md
+    assert "the paper's 90% inside that range" in md
+    assert "NCCL or DDL" in md  # why --hierarchical-allreduce does nothing on CPU
+
+
+def test_cluster_report_quick_and_skipped():
+    from bench.report import render
+
+    res = fake_results(quick=True)
+    res["cluster"] = fake_cluster(quick=True)
+    md = render(res)
+    assert "## 6. Emulated cluster" in md and "Projection" not in md
+    assert "Done-when check" not in md and "exchange efficiency (alone / step)" not in md
+    assert "| 2 | 1600 | n/a | 1800 | - | - | - | - |" in md  # section 1's ratios withheld
+    res["cluster"] = {"skipped": "needs root"}
+    assert "Not measured: needs root" in render(res)
+
+
+def test_cluster_plots_render(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench.plots import render_all
+
+    res = fake_results(quick=False)
+    res["cluster"] = fake_cluster()
+    made = render_all(res, tmp_path)
+    assert {"cluster_busbw", "cluster_time_vs_hosts", "cluster_training"} <= set(made)
+    assert all((tmp_path / f).stat().st_size > 1000 for f in made.values())
