@@ -61,3 +61,16 @@ def horovod_ready() -> bool:
 
 
 requires_horovod = pytest.mark.skipif(not horovod_ready(), reason="horovod is not installed; run make setup")
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """Two network-namespace "hosts" with their own addresses and sshd (tests/netns_hosts.py),
+    shared by a test module; the module skips with the reason where they cannot be made."""
+    import netns_hosts
+
+    try:
+        with netns_hosts.two_hosts() as made:
+            yield made
+    except netns_hosts.Unavailable as err:
+        pytest.skip(f"cannot make two hosts with their own addresses and sshd here: {err}")

@@ -298,17 +298,6 @@ def test_frozen_worker_is_lost_and_the_elastic_job_recovers(framework, fault, ti
 
 # --- 2. a network partition, 3. a lossy, slow link: two network-namespace hosts ------------------
 
-@pytest.fixture(scope="module")
-def hosts():
-    import netns_hosts
-
-    try:
-        with netns_hosts.two_hosts() as made:
-            yield made
-    except netns_hosts.Unavailable as err:
-        pytest.skip(f"cannot make two hosts with their own addresses and sshd here: {err}")
-
-
 def cross_host_job(hosts, controller: str, module: str, args: list[str], marker: str) -> Job:
     """``horovodrun -np 2 -H rt-hosta:1,rt-hostb:1`` started on host A, as tests/test_multihost.py
     does (--disable-cache: the ssh checks of an earlier, gone pair of hosts must not count)."""

@@ -39,15 +39,6 @@ hvd.shutdown()
 '''
 
 
-@pytest.fixture(scope="module")
-def hosts():
-    try:
-        with netns_hosts.two_hosts() as made:
-            yield made
-    except netns_hosts.Unavailable as err:
-        pytest.skip(f"cannot make two hosts with their own addresses and sshd here: {err}")
-
-
 def horovodrun(hosts: netns_hosts.TwoHosts, controller: str, command: list[str], tmp_path: Path,
                options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run ``command`` on both hosts with horovodrun started on host A, as a user would.
