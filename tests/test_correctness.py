@@ -9,7 +9,7 @@ Launching a job and importing a framework costs far more than the few steps an i
 so the runs are grouped by (framework, world size, launcher): each group is ONE launch of
 ``tests/correctness_probe.py``, which calls the trainer's ``train(args)`` once per configuration
 in the same processes.  A group runs the first time a test needs it; the tests then only read
-its outputs.  Ten launches instead of thirty-six.
+its outputs.  Ten launches instead of thirty-eight.
 """
 
 from __future__ import annotations

@@ -16,10 +16,13 @@ The fixed-size trainer (:mod:`tf_models.train`) uses Horovod's own ``hvd.Distrib
     so with Horovod's ``KerasState`` a peer dying during a sync would end the job.
   - :class:`DistributedModel` + :func:`allreduce_gradients`: one train step that splits its K x B
     rows into K micro-batches, sums their gradients, allreduces once and applies once.  The
-    elastic loop stops, commits and rolls back between any two optimizer steps; Horovod's
+    elastic loop stops, commits and rolls back between any two optimizer steps.  Horovod's
     ``backward_passes_per_step`` keeps its micro-step counter and accumulated gradients in
-    variables outside the optimizer and the elastic state, so a rollback in the middle of an
-    accumulation would leave them half full.  Its gradients equal the fixed trainer's bit for bit
+    variables outside the optimizer and the elastic state, which a rollback does not restore:
+    a peer dying in the K-th micro-step's allreduce leaves the counter at K, and it is reset
+    only when it reaches K (``horovod/tensorflow/gradient_aggregation_eager.py``, read, not
+    provoked), so no rank would allreduce or update again.  Its gradients equal the fixed
+    trainer's bit for bit
     (``tests/test_elastic.py::test_elastic_without_changes_trains_exactly_like_the_fixed_job``).
   - :func:`broadcast_variables`, the sync's broadcast.
 

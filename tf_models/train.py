@@ -6,7 +6,8 @@ same Horovod lines, each marked ``# Horovod:`` below.  It is Horovod's own Keras
 ``hvd.DistributedOptimizer`` averages the gradients, ``BroadcastGlobalVariablesCallback`` hands
 rank 0's weights and optimizer state to every rank when training begins, and ``model.fit`` runs
 the steps.  With ``--backward-passes-per-step K`` fit runs K micro-batch steps of B rows per
-optimizer step (the wrapper sums them locally, allreduces on the K-th and divides by K).
+optimizer step (each loss weighted 1/K; the wrapper sums their gradients locally and allreduces
+on the K-th).
 :class:`FitToJob` hands fit's hooks to the shared :class:`launch.job.Job` once per optimizer step
 (the LR before it, progress after it) and once per epoch (metrics, output, checkpoint), on every
 rank in the same order, so every rank issues the same collectives.  Train loss comes from
@@ -62,20 +63,21 @@ def train(args: argparse.Namespace) -> Summary:
     optimizer = keras.optimizers.SGD(learning_rate=target_lr, momentum=args.momentum)
     if args.amp:  # wrapped inside: the loss-scale skip decision is taken on allreduced gradients
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-    # Horovod: wrap the optimizer: gradients are averaged over all ranks (allreduce), every K-th
-    # micro-batch step, after summing the K locally and dividing by K.
+    # Horovod: wrap the optimizer: gradients are averaged over all ranks (allreduce) every K-th
+    # micro-batch step, after summing the K locally.
     optimizer = hvd_keras.DistributedOptimizer(
-        optimizer, backward_passes_per_step=k, average_aggregated_gradients=True,
-        op=hvd.Adasum if args.adasum else hvd.Average,
+        optimizer, backward_passes_per_step=k, op=hvd.Adasum if args.adasum else hvd.Average,
         compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none,
         gradient_predivide_factor=args.gradient_predivide_factor)
     optimizer.build(net.trainable_variables)  # slots exist now: checkpoints and broadcast see them
     start_epoch = job.resume(lambda: common.load_checkpoint(
         args.checkpoint_dir, net, optimizer, job.model_name, param_count))
     sums = loss_sums()
-    # XLA off: this Horovod build has no XLA kernels (Keras turns XLA on by itself on GPUs).
+    # Each micro-batch's loss weighs 1/K, so the K summed gradients are their mean, as in the
+    # PyTorch trainer (loss / K) and for every op: Horovod's own average_aggregated_gradients
+    # refuses Adasum.  XLA off: this Horovod build has no XLA kernels (Keras turns it on on GPUs).
     net.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                metrics=[sums], jit_compile=False)
+                loss_weights=1.0 / k, metrics=[sums], jit_compile=False)
 
     job.begin(param_count=param_count, target_lr=target_lr, steps=steps, start_epoch=start_epoch)
     eval_sums = common.make_eval_sums(net, job.dataset.input_shape)
