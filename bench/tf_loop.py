@@ -4,7 +4,8 @@ difference.
 One ``tf.function`` train step for all three: forward, loss, gradient, ``reduce``,
 ``optimizer.apply_gradients`` (Keras 3 SGD with momentum).  ``reduce`` is the identity for
 ``none``; Horovod's grouped allreduce (:func:`tf_models.horovod_keras.allreduce_gradients`, what the
-trainer uses) for ``horovod``; and the identity for ``mwms`` as well, because under
+elastic trainer uses; the fixed trainer's ``hvd.DistributedOptimizer`` issues one allreduce per
+tensor, which Horovod fuses) for ``horovod``; and the identity for ``mwms`` as well, because under
 ``tf.distribute.MultiWorkerMirroredStrategy`` the step runs in ``strategy.run`` and Keras 3's
 optimizer all-reduces (sums) the gradients itself inside ``apply_gradients``.
 
@@ -76,9 +77,9 @@ def main() -> None:
         optimizer = keras.optimizers.SGD(args.base_lr * size, momentum=0.9)
         optimizer.build(net.trainable_variables)
     if hvd is not None:
-        from tf_models.horovod_keras import allreduce_gradients, broadcast_initial_state
+        from tf_models.horovod_keras import allreduce_gradients
 
-        broadcast_initial_state(net, optimizer, root_rank=0)
+        hvd.broadcast_variables([*net.weights, *optimizer.variables], root_rank=0)
 
     def step(x, y):
         if os.environ.get("BENCH_DEBUG_ROWS"):

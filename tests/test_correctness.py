@@ -9,7 +9,7 @@ Launching a job and importing a framework costs far more than the few steps an i
 so the runs are grouped by (framework, world size, launcher): each group is ONE launch of
 ``tests/correctness_probe.py``, which calls the trainer's ``train(args)`` once per configuration
 in the same processes.  A group runs the first time a test needs it; the tests then only read
-its outputs.  Ten launches instead of thirty-six.
+its outputs.  Ten launches instead of thirty-eight.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ GROUPS: dict[str, tuple[int, str, tuple[str, ...], list[tuple[str, list[str], st
         ("inv7-acc", [*INV7, "--batch-size", "16", "--backward-passes-per-step", "4"], None),
         ("inv8-full", INV8, None),
         ("inv8-half", [*INV8, "--fp16-allreduce"], None),
+        ("inv8-predivide", [*INV8, "--gradient-predivide-factor", "2"], None),
     ]),
     "mpi3": (3, "horovodrun", ("single",), [
         ("inv2", [*INV2, "--batch-size", str(GLOBAL_BATCH // 3)], None),
@@ -215,3 +216,11 @@ def test_invariant_8_fp16_compression(fw, runs):
     # 6 steps, through ReLU/max-pool switches, that compounds to a few ulps of the update (TF: ~9).
     # Bound: 16 fp16 ulps of the update, i.e. under 1% of how far training moved the weights.
     assert diff <= 2 ** -11 * update * 16, (diff, update)
+
+
+# 8 (continued): --gradient-predivide-factor f splits the average into a sum of gradients / f,
+# times f / N: a change of rounding only, within the tolerance of invariant 2.
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_invariant_8_gradient_predivide_factor(fw, runs):
+    assert len(set(runs.metrics(fw, "mpi2/inv8-predivide")["param_checksums"])) == 1
+    assert_same_params(runs.params(fw, "mpi2/inv8-predivide"), runs.params(fw, "mpi2/inv8-full"))

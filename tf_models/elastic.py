@@ -3,9 +3,12 @@
 The epoch loop is shared with PyTorch (:func:`launch.elastic.run_epochs`), and each world's
 bookkeeping with the fixed-size trainer (:class:`launch.job.Job`); this module is the Keras glue:
 :class:`tf_models.horovod_keras.ElasticKerasState` for commits, rollbacks and the broadcast to
-newcomers, and the same :class:`DistributedModel` train step as ``model.fit`` uses, called
-directly so that the loop can stop at any step.  The LR is set on the optimizer before each step,
-as in the fixed-size trainer, from the world size of the moment.
+newcomers, and :class:`~tf_models.horovod_keras.DistributedModel`'s train step (K micro-batches,
+one allreduce, one update), called directly so that the loop can stop, commit and roll back
+between any two optimizer steps.  The fixed-size trainer runs Horovod's ``DistributedOptimizer``
+in ``model.fit`` instead, whose accumulation state (K > 1) lives outside the optimizer and this
+state; without membership changes both give the same weights bit for bit.  The LR is set on the
+optimizer before each step, as in the fixed-size trainer, from the world size of the moment.
 """
 
 from __future__ import annotations

@@ -1,35 +1,30 @@
-"""Horovod for Keras 3 (TensorFlow backend), built on ``horovod.tensorflow``'s plain collectives.
+"""What Horovod's Keras API (as patched by ``.ci/horovod-0.28.1.patch``) still lacks for ringtrain.
 
-Why this module exists
-----------------------
-Horovod 0.28.1 predates Keras 3, and its Keras integration does not survive the switch (each
-point below was checked with TensorFlow 2.21 / Keras 3.15 under ``horovodrun -np 2``):
+The fixed-size trainer (:mod:`tf_models.train`) uses Horovod's own ``hvd.DistributedOptimizer``,
+``BroadcastGlobalVariablesCallback`` and ``model.fit``.  What remains here:
 
-* ``hvd.DistributedGradientTape`` and the Keras callbacks (``BroadcastGlobalVariablesCallback``)
-  key per-variable state on ``variable.ref()``; a ``keras.Variable`` is not a ``tf.Variable``:
-  ``AttributeError: 'Variable' object has no attribute 'ref'``.
-* ``hvd.broadcast_variables`` assigns inside a ``tf.function`` and fails on Keras 3 variables
-  with ``AttributeError: 'SymbolicTensor' object has no attribute 'assign'``.
-* Worst, ``horovod.tensorflow.keras.DistributedOptimizer`` wraps a Keras 3 optimizer without
-  complaint and ``fit`` runs, but the hooks it overrides (``get_gradients``,
-  ``_compute_gradients``, ``_aggregate_gradients``) are never called by Keras 3: gradients are
-  not allreduced and the ranks silently train apart.  Its ``variables`` property is broken too
-  (``TypeError: 'list' object is not callable``).
+* :func:`loss_sums` and :func:`allreduce_sums`: exact global means, from float64 (sum, count)
+  pairs summed over ranks.  Horovod's ``MetricAverageCallback`` averages the ranks' averages,
+  which is wrong when shards differ in size (docs/correctness.md, invariant 5).
+* The elastic glue (:mod:`tf_models.elastic`):
 
-What does work is the layer underneath: ``hvd.broadcast``, ``hvd.allreduce`` and
-``hvd.grouped_allreduce`` on ordinary ``tf.Tensor`` values, in eager code and inside a
-``tf.function``.  This module is that recipe packaged for reuse:
-
-* :func:`broadcast_variables` / :func:`broadcast_initial_state` / :class:`BroadcastInitialState`
-  copy rank 0's model and optimizer variables to every rank (``v.assign(hvd.broadcast(value))``),
-  after building the optimizer so that its slots (momentum, iteration counter) exist.
-* :func:`allreduce_gradients` is ``DistributedOptimizer``'s gradient exchange: one grouped
-  allreduce per step, averaging or Adasum, optional fp16 compression and pre-division.
-* :class:`DistributedModel` wraps any Keras model so that ``model.fit`` runs a data-parallel
-  train step: plain ``tf.GradientTape``, optional local accumulation over K micro-batches,
-  one allreduce, one ``optimizer.apply_gradients``.
-* :class:`MetricAverage` turns per-rank running means into exact global ones by summing
-  (total, count) across ranks, not by averaging the ranks' averages.
+  - :func:`peer_failures_roll_back` turns a collective's failure into the rollback signal;
+    ``hvd.elastic.run`` re-raises an op error naming no Horovod op (a Gloo "Connection closed
+    by peer"), which would end the job instead of rolling back.
+  - :class:`ElasticKerasState` commits, restores and syncs a Keras 3 model and optimizer, its sync
+    under that guard: ``run_fn`` syncs before it calls the training function, outside its guard,
+    so with Horovod's ``KerasState`` a peer dying during a sync would end the job.
+  - :class:`DistributedModel` + :func:`allreduce_gradients`: one train step that splits its K x B
+    rows into K micro-batches, sums their gradients, allreduces once and applies once.  The
+    elastic loop stops, commits and rolls back between any two optimizer steps.  Horovod's
+    ``backward_passes_per_step`` keeps its micro-step counter and accumulated gradients in
+    variables outside the optimizer and the elastic state, which a rollback does not restore:
+    a peer dying in the K-th micro-step's allreduce leaves the counter at K, and it is reset
+    only when it reaches K (``horovod/tensorflow/gradient_aggregation_eager.py``, read, not
+    provoked), so no rank would allreduce or update again.  Its gradients equal the fixed
+    trainer's bit for bit
+    (``tests/test_elastic.py::test_elastic_without_changes_trains_exactly_like_the_fixed_job``).
+  - :func:`broadcast_variables`, the sync's broadcast.
 
 Every collective here is issued in the same order on every rank with a name that depends only
 on the position of the variable, never on the rank: that is what Horovod matches ranks on.
@@ -49,9 +44,8 @@ from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
 
 __all__ = [
-    "BroadcastInitialState", "DistributedModel", "ElasticKerasState", "MetricAverage",
-    "allreduce_gradients", "allreduce_sums", "broadcast_initial_state", "broadcast_variables",
-    "peer_failures_roll_back",
+    "DistributedModel", "ElasticKerasState", "allreduce_gradients", "allreduce_sums",
+    "broadcast_variables", "loss_sums", "peer_failures_roll_back", "sparse_logits_loss",
 ]
 
 
@@ -67,40 +61,6 @@ def broadcast_variables(variables: Iterable, root_rank: int = 0, prefix: str = "
     """
     for i, var in enumerate(variables):
         var.assign(hvd.broadcast(tf.convert_to_tensor(var), root_rank, name=f"{prefix}.{i}"))
-
-
-def broadcast_initial_state(model: keras.Model, optimizer=None, root_rank: int = 0) -> None:
-    """Make every rank start from ``root_rank``'s weights and optimizer state.
-
-    The optimizer is built first: Keras 3 creates the momentum slots and the iteration counter
-    lazily, on the first ``apply_gradients``, so without ``build`` there would be nothing to
-    broadcast and a resumed rank 0 would be the only one with momentum.  ``model.weights`` is used,
-    not ``model.variables``: the latter also holds the dropout layers' seed-generator state, which
-    is meant to differ between ranks.
-    """
-    if optimizer is not None and not optimizer.built:
-        optimizer.build(model.trainable_variables)
-    broadcast_variables(model.weights, root_rank, prefix="model")
-    if optimizer is not None:
-        broadcast_variables(optimizer.variables, root_rank, prefix="optimizer")
-
-
-class BroadcastInitialState(keras.callbacks.Callback):
-    """``model.fit`` callback: broadcast model + optimizer variables once, at the start of training.
-
-    The Keras 3 counterpart of ``hvd.callbacks.BroadcastGlobalVariablesCallback``.  Put it first in
-    the callback list, before anything that reads the weights.
-    """
-
-    def __init__(self, root_rank: int = 0) -> None:
-        super().__init__()
-        self.root_rank = root_rank
-        self.done = False
-
-    def on_train_begin(self, logs=None) -> None:
-        if not self.done:
-            broadcast_initial_state(self.model, self.model.optimizer, self.root_rank)
-            self.done = True
 
 
 # Case matters: a model's own error also quotes where its node was defined, and those paths
@@ -129,11 +89,12 @@ def peer_failures_roll_back() -> Iterator[None]:
 class ElasticKerasState(ObjectState):
     """``hvd.elastic`` state for a Keras 3 model and optimizer, plus plain Python attributes.
 
-    The Keras 3 counterpart of ``hvd.elastic.TensorFlowKerasState``, which calls
-    ``optimizer.variables()`` (a list in Keras 3: ``TypeError: 'list' object is not callable``)
-    and broadcasts through ``hvd.broadcast_variables``.  A commit copies every model weight and
-    optimizer variable to host memory; a rollback assigns them back; a sync broadcasts them from
-    rank 0 the way :func:`broadcast_variables` does.  Build the optimizer before creating it.
+    What ``hvd.elastic.KerasState`` does on Keras 3 since the patch, with the sync guarded by
+    :func:`peer_failures_roll_back` (``run_fn`` syncs outside the training function's guard;
+    unguarded, a peer dying during the sync's broadcast ends the job).  A commit copies every
+    model weight and optimizer variable to host memory; a rollback assigns them back; a sync
+    broadcasts them from rank 0 the way :func:`broadcast_variables` does.  Build the optimizer
+    before creating it.
     """
 
     def __init__(self, model: keras.Model, optimizer, **kwargs) -> None:
@@ -215,12 +176,8 @@ class DistributedModel(keras.Model):
     3. One ``optimizer.apply_gradients``: the optimizer's iteration counter, which drives LR
        schedules, counts optimizer steps, not micro-batches.
 
-    The loss is scaled with ``optimizer.scale_loss`` so a ``keras.optimizers.LossScaleOptimizer``
-    (mixed precision) works: the scaled gradients are allreduced, and the loss-scale optimizer then
-    unscales them and skips non-finite steps identically on every rank.
-
     ``self.loss_tracker`` accumulates the float64 (sum of losses, count of examples) of this rank;
-    :class:`MetricAverage` turns it into the exact global mean at the end of each epoch.  Weights,
+    the elastic loop reads its total after each step.  Weights,
     ``weights``/``trainable_variables`` and ``get_weights`` are those of the wrapped model, in its
     order.
     """
@@ -276,7 +233,7 @@ class DistributedModel(keras.Model):
             with tf.GradientTape() as tape:
                 per_example = self.loss_fn(ys, self.inner(xs, training=True))
                 loss = tf.reduce_mean(tf.cast(per_example, tf.float32))
-                scaled = self.optimizer.scale_loss(loss / k if k > 1 else loss)
+                scaled = loss / k if k > 1 else loss
             grads = tape.gradient(scaled, variables)
             accumulated = grads if accumulated is None else [
                 a + g for a, g in zip(accumulated, grads, strict=True)]
@@ -297,26 +254,9 @@ def allreduce_sums(values: Sequence[float], name: str) -> np.ndarray:
     return hvd.allreduce(tf.constant(totals), op=hvd.Sum, name=name).numpy()
 
 
-class MetricAverage(keras.callbacks.Callback):
-    """Replace each mean-type metric in the epoch logs with its exact value over all ranks.
-
-    Any metric with ``total`` and ``count`` variables (``keras.metrics.Mean`` and friends, the
-    ``DistributedModel.loss_tracker``) is summed across ranks and divided once, so ranks with
-    more examples weigh more, exactly as if one process had seen everything.  (Horovod's own
-    ``MetricAverageCallback`` averages the per-rank averages instead.)  The global (total, count)
-    pairs of the last epoch stay in :attr:`totals`.  Place it before callbacks that read the logs.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.totals: dict[str, tuple[float, float]] = {}
-
-    def on_epoch_end(self, epoch, logs=None) -> None:
-        for i, metric in enumerate(self.model.metrics):
-            if not (hasattr(metric, "total") and hasattr(metric, "count")):
-                continue
-            total, count = allreduce_sums(
-                [float(metric.total.numpy()), float(metric.count.numpy())], name=f"metric.{i}")
-            self.totals[metric.name] = (total, count)
-            if logs is not None:
-                logs[metric.name] = total / count if count else float("nan")
+def loss_sums() -> keras.metrics.Metric:
+    """A ``compile`` metric holding this rank's float64 (sum of per-example losses, examples) since
+    the epoch began (``total``, ``count``): summed over ranks, the exact global mean, as if one
+    process had seen everything.  (Horovod's ``MetricAverageCallback`` averages the ranks'
+    float32 averages instead: wrong when shards differ in size.)"""
+    return keras.metrics.MeanMetricWrapper(sparse_logits_loss, name="loss_sums", dtype="float64")

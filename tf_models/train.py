@@ -1,13 +1,18 @@
-"""Data-parallel training on TensorFlow/Keras 3 through ``horovod.tensorflow``: the fixed-size trainer.
+"""Data-parallel training on TensorFlow/Keras 3 through Horovod's Keras API: the fixed-size trainer.
 
 The twin of :mod:`torch_models.train`: same flags, same shards, same LR rule, same output, the
-same Horovod lines, each marked ``# Horovod:`` below.  Horovod's own Keras integration does not
-work with Keras 3, so the broadcast and the gradient allreduce come from
-:mod:`tf_models.horovod_keras`.  Training runs through ``model.fit`` with a
-:class:`~tf_models.horovod_keras.DistributedModel`; :class:`FitToJob` hands fit's hooks to the
-shared :class:`launch.job.Job` (the LR before each step, progress after it, the epoch's metrics,
-output and checkpoint at its end), on every rank in the same order, so every rank issues the same
-collectives.
+same Horovod lines, each marked ``# Horovod:`` below.  It is Horovod's own Keras recipe (its
+``tensorflow2_keras_mnist.py`` example), on the Horovod that ``make setup`` patches for Keras 3:
+``hvd.DistributedOptimizer`` averages the gradients, ``BroadcastGlobalVariablesCallback`` hands
+rank 0's weights and optimizer state to every rank when training begins, and ``model.fit`` runs
+the steps.  With ``--backward-passes-per-step K`` fit runs K micro-batch steps of B rows per
+optimizer step (each loss weighted 1/K; the wrapper sums their gradients locally and allreduces
+on the K-th).
+:class:`FitToJob` hands fit's hooks to the shared :class:`launch.job.Job` once per optimizer step
+(the LR before it, progress after it) and once per epoch (metrics, output, checkpoint), on every
+rank in the same order, so every rank issues the same collectives.  Train loss comes from
+:func:`~tf_models.horovod_keras.loss_sums` (float64 sums the Job allreduces, exact over ranks),
+not from Horovod's ``MetricAverageCallback``, which averages the ranks' averages.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import time
 
 import horovod.tensorflow as hvd
+import horovod.tensorflow.keras as hvd_keras
 import keras
 import numpy as np
 import tensorflow as tf
@@ -28,7 +34,7 @@ from launch.report import Summary
 from launch.runtime import before_init
 from launch.sharding import optimizer_steps, shard_indices
 from tf_models import common
-from tf_models.horovod_keras import DistributedModel, broadcast_initial_state
+from tf_models.horovod_keras import loss_sums
 from tf_models.model import build
 
 
@@ -55,19 +61,23 @@ def train(args: argparse.Namespace) -> Summary:
     # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
     target_lr = scaled_lr(args.base_lr, size, args.lr_scaling, args.adasum)
     optimizer = keras.optimizers.SGD(learning_rate=target_lr, momentum=args.momentum)
-    if args.amp:
+    if args.amp:  # wrapped inside: the loss-scale skip decision is taken on allreduced gradients
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    # Horovod: wrap the optimizer: gradients are averaged over all ranks (allreduce) every K-th
+    # micro-batch step, after summing the K locally.
+    optimizer = hvd_keras.DistributedOptimizer(
+        optimizer, backward_passes_per_step=k, op=hvd.Adasum if args.adasum else hvd.Average,
+        compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none,
+        gradient_predivide_factor=args.gradient_predivide_factor)
     optimizer.build(net.trainable_variables)  # slots exist now: checkpoints and broadcast see them
     start_epoch = job.resume(lambda: common.load_checkpoint(
         args.checkpoint_dir, net, optimizer, job.model_name, param_count))
-    # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) to every rank.
-    broadcast_initial_state(net, optimizer, root_rank=0)
-    # Horovod: wrap the model: its train step averages the gradients over all ranks (allreduce).
-    model = DistributedModel(
-        net, backward_passes_per_step=k, micro_batch_size=args.batch_size,
-        op=hvd.Adasum if args.adasum else hvd.Average, fp16_allreduce=args.fp16_allreduce,
-        gradient_predivide_factor=args.gradient_predivide_factor)
-    model.compile(optimizer=optimizer)
+    sums = loss_sums()
+    # Each micro-batch's loss weighs 1/K, so the K summed gradients are their mean, as in the
+    # PyTorch trainer (loss / K) and for every op: Horovod's own average_aggregated_gradients
+    # refuses Adasum.  XLA off: this Horovod build has no XLA kernels (Keras turns it on on GPUs).
+    net.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                loss_weights=1.0 / k, metrics=[sums], jit_compile=False)
 
     job.begin(param_count=param_count, target_lr=target_lr, steps=steps, start_epoch=start_epoch)
     eval_sums = common.make_eval_sums(net, job.dataset.input_shape)
@@ -75,52 +85,63 @@ def train(args: argparse.Namespace) -> Summary:
         # Horovod: shard: rank r takes every N-th sample of each epoch's order, the same on all ranks.
         batches = [b for epoch in range(start_epoch + 1, args.epochs + 1)
                    for b in epoch_batches(job.n_train, rank, size, args, epoch, steps)]
-        to_job = FitToJob(job, model, steps=steps, target_lr=target_lr,
+        to_job = FitToJob(job, sums, steps=steps, k=k, target_lr=target_lr,
                           evaluate=lambda: eval_sums(test_x, test_y),
                           save=lambda e: common.save_checkpoint(args.checkpoint_dir, e, net, optimizer,
                                                                 job.model_name, param_count, args))
-        model.fit(train_dataset(job.dataset, train_images, train_labels, batches), epochs=args.epochs,
-                  initial_epoch=start_epoch, steps_per_epoch=steps, shuffle=False, verbose=0,
-                  callbacks=[to_job])
+        # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) as fit begins.
+        callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0), to_job]
+        net.fit(train_dataset(job.dataset, train_images, train_labels, batches), epochs=args.epochs,
+                initial_epoch=start_epoch, steps_per_epoch=steps * k, shuffle=False, verbose=0,
+                callbacks=callbacks)
+    else:  # resumed at the end: nothing to train, but every rank evaluates rank 0's weights
+        hvd.broadcast_variables([*net.weights, *optimizer.variables], root_rank=0)
     return job.finish_fixed(lambda: eval_sums(test_x, test_y), common.parameters(net))
 
 
 class FitToJob(keras.callbacks.Callback):
-    """``model.fit``'s hooks, on every rank, handed to the :class:`~launch.job.Job`.
+    """``model.fit``'s hooks, on every rank, handed to the :class:`~launch.job.Job` once per
+    optimizer step, i.e. every K-th of fit's micro-batch steps.
 
-    Before each step the optimizer gets the step's LR from :meth:`Job.lr`, the LR rule the PyTorch
-    trainer and both elastic loops use (a float32 variable, assigned ``float32(lr_at(...))``).
-    After each step the step's loss on this rank (from the loss tracker's running sums) goes to
+    Before each optimizer step the optimizer gets the step's LR from :meth:`Job.lr`, the LR rule the
+    PyTorch trainer and both elastic loops use (a float32 variable, assigned ``float32(lr_at(...))``;
+    only the K-th micro-batch step applies it).  After it, the step's mean loss on this rank (from
+    ``sums``, the float64 :func:`~tf_models.horovod_keras.loss_sums` metric) goes to
     :meth:`Job.step_done`; at the epoch's end, this rank's (loss sum, images) and test sums go to
     :meth:`Job.end_epoch`.
     """
 
-    def __init__(self, job: Job, model: DistributedModel, *, steps: int, target_lr: float,
-                 evaluate, save) -> None:
+    def __init__(self, job: Job, sums: keras.metrics.Metric, *, steps: int, k: int,
+                 target_lr: float, evaluate, save) -> None:
         super().__init__()
-        self.job, self.tracker, self.steps, self.target_lr = job, model.loss_tracker, steps, target_lr
+        self.job, self.sums, self.steps, self.k, self.target_lr = job, sums, steps, k, target_lr
         self.evaluate, self.save = evaluate, save
         self.epoch, self.lr, self.t0, self.seen = 0, 0.0, 0.0, (0.0, 0.0)
+
+    def totals(self) -> tuple[float, float]:
+        return float(self.sums.total.numpy()), float(self.sums.count.numpy())
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
         self.epoch = epoch + 1  # Keras counts epochs from 0, the reports from 1
         self.t0, self.seen = time.perf_counter(), (0.0, 0.0)
 
     def on_train_batch_begin(self, batch, logs=None) -> None:
-        self.lr = self.job.lr(self.epoch, batch, self.steps, self.target_lr)
-        self.model.optimizer.learning_rate = self.lr
+        if batch % self.k == 0:  # the first micro-batch of an optimizer step
+            self.lr = self.job.lr(self.epoch, batch // self.k, self.steps, self.target_lr)
+            self.model.optimizer.learning_rate = self.lr
 
     def on_train_batch_end(self, batch, logs=None) -> None:
-        total, count = float(self.tracker.total.numpy()), float(self.tracker.count.numpy())
+        if (batch + 1) % self.k:  # gradients accumulated, nothing applied yet
+            return
+        total, count = self.totals()
         step_loss = (total - self.seen[0]) / (count - self.seen[1])
         self.seen = (total, count)
-        self.job.step_done(self.epoch, batch + 1, self.steps, loss=step_loss, lr=self.lr,
+        self.job.step_done(self.epoch, (batch + 1) // self.k, self.steps, loss=step_loss, lr=self.lr,
                            consumed=int(count) * self.job.size)
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         seconds = time.perf_counter() - self.t0
-        train_sums = [float(self.tracker.total.numpy()), float(self.tracker.count.numpy())]
-        self.job.end_epoch(self.epoch, train_sums=train_sums, seconds=seconds, lr=self.lr,
+        self.job.end_epoch(self.epoch, train_sums=list(self.totals()), seconds=seconds, lr=self.lr,
                            evaluate=self.evaluate, save=self.save)
 
 
@@ -128,12 +149,13 @@ class FitToJob(keras.callbacks.Callback):
 
 def epoch_batches(n_train: int, rank: int, size: int, args: argparse.Namespace, epoch: int,
                   steps: int) -> list[np.ndarray]:
-    """This rank's index batches for ``epoch``: ``steps`` slices of K x batch-size indices from
-    the shard the PyTorch trainer uses, so both frameworks see the same images in the same order
-    (the last slice of an epoch may be short)."""
+    """This rank's index batches for ``epoch``: ``steps`` x K micro-batches of batch-size indices
+    from the shard the PyTorch trainer uses, so both frameworks see the same images in the same
+    order (the last micro-batch of an epoch may be short, never empty: ``steps`` x K is at most
+    the shard's batch count)."""
     idx = shard_indices(n_train, rank, size, args.seed, epoch, shuffle=not args.no_shuffle)
-    rows = args.batch_size * args.backward_passes_per_step
-    return [idx[s * rows:(s + 1) * rows] for s in range(steps)]
+    b = args.batch_size
+    return [idx[i * b:(i + 1) * b] for i in range(steps * args.backward_passes_per_step)]
 
 
 def train_dataset(dataset, images_u8: np.ndarray, labels: np.ndarray, batches: list[np.ndarray]):
