@@ -13,7 +13,10 @@ everywhere).
 ``--count-iface IF``: every rank also reads the kernel's byte counters of interface IF (in its
 own network namespace, ``/proc/net/dev``) before and after each size's timed repetitions, so the
 bytes that really crossed each host's link are known per repetition (the emulated cluster,
-``bench/cluster.py``).
+``bench/cluster.py``).  Every rank also records, over the same repetitions, its wall time, its
+CPU time (all threads) and from the scheduler (``/proc/self/task/*/schedstat``) the time its
+threads ran and the time they sat runnable on a run queue without a core: the last one is the
+time a busy machine took from the collective (``bench/cluster_cells.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,45 @@ def iface_bytes(iface: str, path: str = "/proc/net/dev") -> tuple[int, int]:
                 fields = rest.split()
                 return int(fields[8]), int(fields[0])
     raise RuntimeError(f"no interface {iface!r} in {path}")
+
+
+def parse_schedstat(text: str) -> tuple[float, float]:
+    """One thread's ``schedstat`` line (``run_ns wait_ns slices``): (seconds on a CPU, seconds
+    runnable but waiting for one)."""
+    fields = text.split()
+    return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+
+
+def sched_times(task_dir: str = "/proc/self/task") -> dict[str, tuple[float, float]]:
+    """Per live thread of this process: (run, run-queue wait) seconds so far."""
+    out = {}
+    for tid in os.listdir(task_dir):
+        try:
+            with open(os.path.join(task_dir, tid, "schedstat")) as fh:
+                out[tid] = parse_schedstat(fh.read())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
+
+
+def sched_delta(before: dict, after: dict) -> dict:
+    """Run and run-queue wait between two :func:`sched_times`, summed over the threads alive at
+    both, and for the thread that ran most (the one doing the collective's work)."""
+    deltas = [(after[t][0] - before[t][0], after[t][1] - before[t][1]) for t in after if t in before]
+    busiest = max(deltas, default=(0.0, 0.0))
+    return {"run_s": sum(d[0] for d in deltas), "runqueue_wait_s": sum(d[1] for d in deltas),
+            "busiest_thread_run_s": busiest[0], "busiest_thread_wait_s": busiest[1],
+            "threads": len(deltas)}
+
+
+def autogroup(path: str = "/proc/self/autogroup") -> str | None:
+    """The scheduler group of this process's session and its nice (``/autogroup-7887 nice 0``);
+    None where the kernel has no autogroups."""
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
 
 
 def host_id() -> str:
@@ -193,6 +235,7 @@ def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float,
     if iface:
         be.barrier()
         before = iface_bytes(iface)
+    clock0, cpu0, sched0 = time.perf_counter(), time.process_time(), sched_times()
     for _ in range(n):
         be.refill(buf)
         be.barrier()
@@ -201,6 +244,9 @@ def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float,
         times.append(time.perf_counter() - t0)
         if float(buf[0]) != be.size or float(buf[-1]) != be.size:
             raise RuntimeError(f"{be.impl}: wrong sum {float(buf[0])} (expected {be.size})")
+    cpu = {"wall_s": time.perf_counter() - clock0, "cpu_s": time.process_time() - cpu0,
+           "nice": os.getpriority(os.PRIO_PROCESS, 0), "autogroup": autogroup(),
+           **sched_delta(sched0, sched_times())}
     link = None
     if iface:
         be.barrier()  # every rank's sends have left: all of this size's frames are counted
@@ -212,7 +258,7 @@ def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float,
     return {"bytes": nbytes, "reps": n, "seconds": median_of_max(all_times),
             "min_seconds": min(max(rep) for rep in zip(*all_times, strict=True)),
             "moved_bytes_per_rank": [list(c) for c in counts] if be.impl == "ps" else None,
-            "link_bytes_per_rank": link}
+            "link_bytes_per_rank": link, "cpu_per_rank": be.gather(cpu)}
 
 
 def main() -> None:
