@@ -20,6 +20,7 @@ import dataclasses
 import os
 import sys
 import time
+from pathlib import Path
 
 from bench import cluster, util
 
@@ -40,6 +41,36 @@ def parse_size(text: str) -> int:
     return int(text[:-1]) * UNITS[text[-1]] if text[-1:] in UNITS else int(text)
 
 
+STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq")
+
+
+def parse_proc_stat(text: str) -> dict[str, int]:
+    """The machine's CPU time so far by kind, in clock ticks (``/proc/stat``'s ``cpu`` line)."""
+    for line in text.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            return dict(zip(STAT_FIELDS, map(int, fields[1:1 + len(STAT_FIELDS)]), strict=True))
+    raise ValueError("no cpu line in /proc/stat")
+
+
+def machine_cpu() -> dict[str, float]:
+    """Seconds of CPU so far, all cores, by kind, plus what the ``ksoftirqd`` threads ran: the
+    emulated links (veth, bridge, HTB, TCP) are processed in softirqs on these same cores."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as fh:
+        out = {k: v / tick for k, v in parse_proc_stat(fh.read()).items()}
+    out["ksoftirqd"] = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        if "(ksoftirqd/" in text:
+            fields = text.rsplit(")", 1)[1].split()
+            out["ksoftirqd"] += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
 def rank_shares(cpu_per_rank: list[dict]) -> dict:
     """Per rank, shares of the timed wall time: CPU (all threads), and for its busiest thread
     (the one that ran most) the time it ran and the time it sat runnable without a core."""
@@ -52,16 +83,16 @@ def rank_shares(cpu_per_rank: list[dict]) -> dict:
 
 def summarize(cells: list[dict]) -> list[dict]:
     """One line per (impl, hosts, size, mode): busbw of the link rate and time over the formula in
-    each round, and the ranks' CPU and run-queue shares (the largest rank's, per round)."""
+    each round, the ranks' CPU and run-queue shares (the largest rank's, per round) and the cores
+    all ranks used together."""
     lines: dict[tuple, dict] = {}
     for cell in cells:
         for row in cell.get("rows", []) if cell["ok"] else []:
             key = (cell["impl"], cell["hosts"], row["bytes"], cell["mode"])
-            line = lines.setdefault(key, {"impl": key[0], "hosts": key[1], "bytes": key[2], "mode": key[3],
-                                          "busbw_of_link": [], "over_formula": [],
-                                          "max_busiest_wait_of_wall": [],
-                                          "max_busiest_run_of_wall": [], "max_cpu_of_wall": [], "nice": [],
-                                          "load_before": []})
+            line = lines.setdefault(key, {
+                "impl": key[0], "hosts": key[1], "bytes": key[2], "mode": key[3], "busbw_of_link": [],
+                "over_formula": [], "max_busiest_wait_of_wall": [], "max_busiest_run_of_wall": [],
+                "max_cpu_of_wall": [], "ranks_cores": [], "nice": [], "load_before": []})
             shares = rank_shares(row["cpu_per_rank"])
             line["busbw_of_link"].append(round(row["busbw_of_link"], 3))
             line["over_formula"].append(round(row["seconds"] / row["formula_seconds"] - 1, 3))
@@ -69,6 +100,9 @@ def summarize(cells: list[dict]) -> list[dict]:
             line["max_busiest_run_of_wall"].append(max(shares["busiest_run_of_wall"]))
             line["nice"].append(max(shares["nice"]))
             line["max_cpu_of_wall"].append(max(shares["cpu_of_wall"]))
+            # cores the ranks used together; near the machine's count, the ranks' own work is the limit
+            line["ranks_cores"].append(round(sum(r["cpu_s"] for r in row["cpu_per_rank"])
+                                             / max(r["wall_s"] for r in row["cpu_per_rank"]), 2))
             line["load_before"].append(cell["load_before"])
     return list(lines.values())
 
@@ -118,10 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                     coll = cluster.COLLECTIVES[impl]
                     coll = dataclasses.replace(coll, env=coll.env + extra)
                     for mode in modes:
-                        load = os.getloadavg()[0]
+                        load, cpu0, t0 = os.getloadavg()[0], machine_cpu(), time.perf_counter()
                         rec = cl.collective(cfg, impl, coll, n, wrap=MODES[mode], tag=mode)
+                        cpu1, wall = machine_cpu(), time.perf_counter() - t0
                         rec.update(mode=mode, round=rnd, load_before=round(load, 2),
-                                   load_after=round(os.getloadavg()[0], 2))
+                                   load_after=round(os.getloadavg()[0], 2),
+                                   machine_cores={k: round((cpu1[k] - cpu0[k]) / wall, 3) for k in cpu1})
                         data["cells"].append(rec)
                         util.write_json(out, {**data, "summary": summarize(data["cells"])})
     data["summary"] = summarize(data["cells"])

@@ -404,6 +404,16 @@ def test_schedstat_per_thread_and_the_busiest_thread():
     assert live and max(run for run, _ in live.values()) > 0
 
 
+def test_proc_stat_cpu_line():
+    text = "cpu  100 5 50 1000 3 0 40 0 0 0\ncpu0 50 2 25 500 1 0 20 0 0 0\nintr 1\n"
+    assert cluster_cells.parse_proc_stat(text) == {"user": 100, "nice": 5, "system": 50, "idle": 1000,
+                                                   "iowait": 3, "irq": 0, "softirq": 40}
+    with pytest.raises(ValueError):
+        cluster_cells.parse_proc_stat("intr 1\n")
+    now = cluster_cells.machine_cpu()
+    assert now["user"] + now["system"] + now["idle"] > 0 and now["ksoftirqd"] >= 0
+
+
 def test_cells_sizes_and_summary():
     assert cluster_cells.parse_size("64M") == 64 * 2 ** 20
     assert cluster_cells.parse_size("64KiB") == 65536 and cluster_cells.parse_size("4096") == 4096
@@ -426,3 +436,4 @@ def test_cells_sizes_and_summary():
     assert by_mode["nice"]["nice"] == [-15]
     assert by_mode["plain"]["max_busiest_run_of_wall"] == [0.5, 0.5]
     assert by_mode["plain"]["max_busiest_wait_of_wall"] == [0.2, 0.2]
+    assert by_mode["plain"]["ranks_cores"] == [1.0, 1.0]  # two ranks, each 1 CPU second in 2 s
