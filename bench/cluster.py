@@ -85,6 +85,9 @@ COLLECTIVES = {
     "mpi4py-ring": Coll("mpi4py", "mpirun", "ring", tuple(RING.items())),
     "torch-gloo": Coll("torch", "direct", "ring"),
     "mpi4py-param-server": Coll("ps", "mpirun", "ps"),
+    # the rank waits by poll + sleep instead of horovod.torch's spinning wait (bench/cluster_cells.py)
+    "horovod-gloo-sleepwait": Coll("hvd-sleep", "horovodrun-gloo", "ring"),
+    "horovod-mpi-ring-sleepwait": Coll("hvd-sleep", "horovodrun", "ring", tuple(RING.items())),
 }
 # at 2 ranks per host: flat, Horovod's own switch (which its CPU build ignores: see the report),
 # and a two-level allreduce made with mpi4py

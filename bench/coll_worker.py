@@ -1,10 +1,11 @@
 """One rank of the collectives benchmark: ``python -m bench.coll_worker --impl IMPL ...``.
 
 IMPL is ``hvd`` (``horovod.torch`` allreduce; the controller, MPI or Gloo, is the launcher's
-choice), ``mpi4py`` (``Comm.Allreduce``), ``torch`` (``torch.distributed`` over gloo, under
-``torchrun``) or ``ps`` (a parameter server written with mpi4py point-to-point calls: every worker
-``Send``s its buffer to rank 0, which ``Recv``s and sums them and ``Send``s the sum back, so all
-traffic is explicit and counted) or ``hier`` (hierarchical, with mpi4py: ``Reduce`` to one rank
+choice; ``hvd-sleep``: the same, waited for by ``poll`` and a 0.5 ms sleep), ``mpi4py``
+(``Comm.Allreduce``), ``torch`` (``torch.distributed`` over gloo, under ``torchrun``) or ``ps``
+(a parameter server written with mpi4py point-to-point calls: every worker ``Send``s its buffer
+to rank 0, which ``Recv``s and sums them and ``Send``s the sum back, so all traffic is explicit
+and counted) or ``hier`` (hierarchical, with mpi4py: ``Reduce`` to one rank
 per host, ``Allreduce`` among those, ``Bcast`` back on each host; a host is a network namespace).
 Every op sums float32 buffers in place; before each timed repetition the buffer is refilled with
 ones and the ranks meet at a barrier, and after it the result is checked (it must be N
@@ -128,7 +129,11 @@ class Backend:
     """The handful of calls the timing loop needs, per implementation."""
 
     def __init__(self, impl: str) -> None:
-        self.impl = impl
+        # hvd-sleep: Horovod, but the rank waits for each allreduce by polling with a sleep
+        # instead of horovod.torch's synchronous wait, which spins on std::this_thread::yield()
+        # (torch/mpi_ops_v2.cc: WaitAndClear) and so takes a core for the whole collective
+        self.sleep_wait = impl == "hvd-sleep"
+        impl = self.impl = "hvd" if self.sleep_wait else impl
         self.counter = PSCounter()
         if impl == "hvd":
             import horovod.torch as hvd
@@ -174,7 +179,12 @@ class Backend:
             buf.fill(1.0)
 
     def allreduce(self, buf) -> None:
-        if self.impl == "hvd":
+        if self.impl == "hvd" and self.sleep_wait:
+            handle = self.hvd.allreduce_async_(buf, op=self.hvd.Sum, name="bench")
+            while not self.hvd.poll(handle):
+                time.sleep(0.5e-3)
+            self.hvd.synchronize(handle)
+        elif self.impl == "hvd":
             self.hvd.allreduce_(buf, op=self.hvd.Sum, name="bench")
         elif self.impl == "torch":
             self.dist.all_reduce(buf)
@@ -263,7 +273,7 @@ def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float,
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--impl", choices=("hvd", "mpi4py", "torch", "ps", "hier"), required=True)
+    p.add_argument("--impl", choices=("hvd", "hvd-sleep", "mpi4py", "torch", "ps", "hier"), required=True)
     p.add_argument("--sizes", required=True, help="comma-separated byte counts")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=15)
