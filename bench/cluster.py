@@ -85,6 +85,9 @@ COLLECTIVES = {
     "mpi4py-ring": Coll("mpi4py", "mpirun", "ring", tuple(RING.items())),
     "torch-gloo": Coll("torch", "direct", "ring"),
     "mpi4py-param-server": Coll("ps", "mpirun", "ps"),
+    # the rank waits by poll + sleep instead of horovod.torch's spinning wait (bench/cluster_cells.py)
+    "horovod-gloo-sleepwait": Coll("hvd-sleep", "horovodrun-gloo", "ring"),
+    "horovod-mpi-ring-sleepwait": Coll("hvd-sleep", "horovodrun", "ring", tuple(RING.items())),
 }
 # at 2 ranks per host: flat, Horovod's own switch (which its CPU build ignores: see the report),
 # and a two-level allreduce made with mpi4py
@@ -275,12 +278,15 @@ class Cluster:
 
     # -- collectives ---------------------------------------------------------------------------
 
-    def collective(self, cfg: ClusterConfig, impl_name: str, coll: Coll, n: int, slots: int = 1) -> dict:
-        name = f"coll/{self.profile}/{impl_name}/h{n}x{slots}"
+    def collective(self, cfg: ClusterConfig, impl_name: str, coll: Coll, n: int, slots: int = 1,
+                   wrap: tuple[str, ...] = (), tag: str = "") -> dict:
+        """One cell: ``coll`` on ``n`` hosts; ``wrap`` prefixes every rank's command (as ``nice``
+        does), ``tag`` names that variant."""
+        name = f"coll/{self.profile}/{impl_name}/h{n}x{slots}" + (f"/{tag}" if tag else "")
         work = self.work(name)
         res_path = work / "result.json"
         res_path.unlink(missing_ok=True)
-        inner = [util.PY, "-m", "bench.coll_worker", "--impl", coll.worker,
+        inner = [*wrap, util.PY, "-m", "bench.coll_worker", "--impl", coll.worker,
                  "--sizes", ",".join(map(str, cfg.coll_sizes)), "--warmup", str(cfg.coll_warmup),
                  "--reps", str(cfg.coll_reps), "--budget", str(cfg.coll_budget_s),
                  "--out", str(res_path), "--count-iface", IFACE]
@@ -288,7 +294,7 @@ class Cluster:
         res = self.run(name, coll.launcher, n, slots, inner, coll.flags, dict(coll.env))
         rec = {"profile": self.profile, "impl": impl_name, "hosts": n, "slots": slots, "ranks": n * slots,
                "launcher": coll.launcher, "formula": coll.formula, "flags": list(coll.flags),
-               "env": dict(coll.env), "ok": res.ok and res_path.exists(),
+               "env": dict(coll.env), "wrap": list(wrap), "ok": res.ok and res_path.exists(),
                "wall_seconds": round(res.seconds, 1)}
         if rec["ok"]:
             doc = util.read_json(res_path)

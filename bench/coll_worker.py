@@ -1,10 +1,11 @@
 """One rank of the collectives benchmark: ``python -m bench.coll_worker --impl IMPL ...``.
 
 IMPL is ``hvd`` (``horovod.torch`` allreduce; the controller, MPI or Gloo, is the launcher's
-choice), ``mpi4py`` (``Comm.Allreduce``), ``torch`` (``torch.distributed`` over gloo, under
-``torchrun``) or ``ps`` (a parameter server written with mpi4py point-to-point calls: every worker
-``Send``s its buffer to rank 0, which ``Recv``s and sums them and ``Send``s the sum back, so all
-traffic is explicit and counted) or ``hier`` (hierarchical, with mpi4py: ``Reduce`` to one rank
+choice; ``hvd-sleep``: the same, waited for by ``poll`` and a 0.5 ms sleep), ``mpi4py``
+(``Comm.Allreduce``), ``torch`` (``torch.distributed`` over gloo, under ``torchrun``) or ``ps``
+(a parameter server written with mpi4py point-to-point calls: every worker ``Send``s its buffer
+to rank 0, which ``Recv``s and sums them and ``Send``s the sum back, so all traffic is explicit
+and counted) or ``hier`` (hierarchical, with mpi4py: ``Reduce`` to one rank
 per host, ``Allreduce`` among those, ``Bcast`` back on each host; a host is a network namespace).
 Every op sums float32 buffers in place; before each timed repetition the buffer is refilled with
 ones and the ranks meet at a barrier, and after it the result is checked (it must be N
@@ -13,7 +14,10 @@ everywhere).
 ``--count-iface IF``: every rank also reads the kernel's byte counters of interface IF (in its
 own network namespace, ``/proc/net/dev``) before and after each size's timed repetitions, so the
 bytes that really crossed each host's link are known per repetition (the emulated cluster,
-``bench/cluster.py``).
+``bench/cluster.py``).  Every rank also records, over the same repetitions, its wall time, its
+CPU time (all threads) and from the scheduler (``/proc/self/task/*/schedstat``) the time its
+threads ran and the time they sat runnable on a run queue without a core: the last one is the
+time a busy machine took from the collective (``bench/cluster_cells.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,45 @@ def iface_bytes(iface: str, path: str = "/proc/net/dev") -> tuple[int, int]:
                 fields = rest.split()
                 return int(fields[8]), int(fields[0])
     raise RuntimeError(f"no interface {iface!r} in {path}")
+
+
+def parse_schedstat(text: str) -> tuple[float, float]:
+    """One thread's ``schedstat`` line (``run_ns wait_ns slices``): (seconds on a CPU, seconds
+    runnable but waiting for one)."""
+    fields = text.split()
+    return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+
+
+def sched_times(task_dir: str = "/proc/self/task") -> dict[str, tuple[float, float]]:
+    """Per live thread of this process: (run, run-queue wait) seconds so far."""
+    out = {}
+    for tid in os.listdir(task_dir):
+        try:
+            with open(os.path.join(task_dir, tid, "schedstat")) as fh:
+                out[tid] = parse_schedstat(fh.read())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
+
+
+def sched_delta(before: dict, after: dict) -> dict:
+    """Run and run-queue wait between two :func:`sched_times`, summed over the threads alive at
+    both, and for the thread that ran most (the one doing the collective's work)."""
+    deltas = [(after[t][0] - before[t][0], after[t][1] - before[t][1]) for t in after if t in before]
+    busiest = max(deltas, default=(0.0, 0.0))
+    return {"run_s": sum(d[0] for d in deltas), "runqueue_wait_s": sum(d[1] for d in deltas),
+            "busiest_thread_run_s": busiest[0], "busiest_thread_wait_s": busiest[1],
+            "threads": len(deltas)}
+
+
+def autogroup(path: str = "/proc/self/autogroup") -> str | None:
+    """The scheduler group of this process's session and its nice (``/autogroup-7887 nice 0``);
+    None where the kernel has no autogroups."""
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
 
 
 def host_id() -> str:
@@ -86,7 +129,11 @@ class Backend:
     """The handful of calls the timing loop needs, per implementation."""
 
     def __init__(self, impl: str) -> None:
-        self.impl = impl
+        # hvd-sleep: Horovod, but the rank waits for each allreduce by polling with a sleep
+        # instead of horovod.torch's synchronous wait, which spins on std::this_thread::yield()
+        # (torch/mpi_ops_v2.cc: WaitAndClear) and so takes a core for the whole collective
+        self.sleep_wait = impl == "hvd-sleep"
+        impl = self.impl = "hvd" if self.sleep_wait else impl
         self.counter = PSCounter()
         if impl == "hvd":
             import horovod.torch as hvd
@@ -132,7 +179,12 @@ class Backend:
             buf.fill(1.0)
 
     def allreduce(self, buf) -> None:
-        if self.impl == "hvd":
+        if self.impl == "hvd" and self.sleep_wait:
+            handle = self.hvd.allreduce_async_(buf, op=self.hvd.Sum, name="bench")
+            while not self.hvd.poll(handle):
+                time.sleep(0.5e-3)
+            self.hvd.synchronize(handle)
+        elif self.impl == "hvd":
             self.hvd.allreduce_(buf, op=self.hvd.Sum, name="bench")
         elif self.impl == "torch":
             self.dist.all_reduce(buf)
@@ -193,6 +245,7 @@ def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float,
     if iface:
         be.barrier()
         before = iface_bytes(iface)
+    clock0, cpu0, sched0 = time.perf_counter(), time.process_time(), sched_times()
     for _ in range(n):
         be.refill(buf)
         be.barrier()
@@ -201,6 +254,9 @@ def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float,
         times.append(time.perf_counter() - t0)
         if float(buf[0]) != be.size or float(buf[-1]) != be.size:
             raise RuntimeError(f"{be.impl}: wrong sum {float(buf[0])} (expected {be.size})")
+    cpu = {"wall_s": time.perf_counter() - clock0, "cpu_s": time.process_time() - cpu0,
+           "nice": os.getpriority(os.PRIO_PROCESS, 0), "autogroup": autogroup(),
+           **sched_delta(sched0, sched_times())}
     link = None
     if iface:
         be.barrier()  # every rank's sends have left: all of this size's frames are counted
@@ -212,12 +268,12 @@ def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float,
     return {"bytes": nbytes, "reps": n, "seconds": median_of_max(all_times),
             "min_seconds": min(max(rep) for rep in zip(*all_times, strict=True)),
             "moved_bytes_per_rank": [list(c) for c in counts] if be.impl == "ps" else None,
-            "link_bytes_per_rank": link}
+            "link_bytes_per_rank": link, "cpu_per_rank": be.gather(cpu)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--impl", choices=("hvd", "mpi4py", "torch", "ps", "hier"), required=True)
+    p.add_argument("--impl", choices=("hvd", "hvd-sleep", "mpi4py", "torch", "ps", "hier"), required=True)
     p.add_argument("--sizes", required=True, help="comma-separated byte counts")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=15)

@@ -384,3 +384,56 @@ def test_cluster_plots_render(tmp_path):
     made = render_all(res, tmp_path)
     assert {"cluster_busbw", "cluster_time_vs_hosts", "cluster_training"} <= set(made)
     assert all((tmp_path / f).stat().st_size > 1000 for f in made.values())
+
+
+# -- rerunning a few cluster cells, plain and prioritised (bench/cluster_cells.py) ------------------
+
+from bench import cluster_cells  # noqa: E402
+from bench.coll_worker import parse_schedstat, sched_delta, sched_times  # noqa: E402
+
+
+def test_schedstat_per_thread_and_the_busiest_thread():
+    assert parse_schedstat("2500000000 500000000 42\n") == (2.5, 0.5)
+    before = {"1": (1.0, 0.5), "2": (0.1, 0.1), "3": (9.0, 9.0)}
+    after = {"1": (1.2, 0.6), "2": (1.0, 1.5), "4": (5.0, 5.0)}  # 3 ended, 4 started: neither counts
+    d = sched_delta(before, after)
+    assert d["threads"] == 2
+    assert d["run_s"] == pytest.approx(1.1) and d["runqueue_wait_s"] == pytest.approx(1.5)
+    assert (d["busiest_thread_run_s"], d["busiest_thread_wait_s"]) == pytest.approx((0.9, 1.4))
+    live = sched_times()  # this process: its main thread at least, with time on a CPU
+    assert live and max(run for run, _ in live.values()) > 0
+
+
+def test_proc_stat_cpu_line():
+    text = "cpu  100 5 50 1000 3 0 40 0 0 0\ncpu0 50 2 25 500 1 0 20 0 0 0\nintr 1\n"
+    assert cluster_cells.parse_proc_stat(text) == {"user": 100, "nice": 5, "system": 50, "idle": 1000,
+                                                   "iowait": 3, "irq": 0, "softirq": 40}
+    with pytest.raises(ValueError):
+        cluster_cells.parse_proc_stat("intr 1\n")
+    now = cluster_cells.machine_cpu()
+    assert now["user"] + now["system"] + now["idle"] > 0 and now["ksoftirqd"] >= 0
+
+
+def test_cells_sizes_and_summary():
+    assert cluster_cells.parse_size("64M") == 64 * 2 ** 20
+    assert cluster_cells.parse_size("64KiB") == 65536 and cluster_cells.parse_size("4096") == 4096
+
+    def cell(mode, rnd, seconds, ok=True):
+        ranks = [{"wall_s": 2.0, "cpu_s": 1.0, "nice": -15 if mode == "nice" else 0,
+                  "busiest_thread_run_s": 0.5 * (r + 1), "busiest_thread_wait_s": 0.2 * (r + 1)}
+                 for r in range(2)]
+        row = {"bytes": 2 ** 26, "seconds": seconds, "formula_seconds": 0.8, "busbw_of_link": 0.8 / seconds,
+               "cpu_per_rank": ranks}
+        return {"impl": "horovod-gloo", "hosts": 2, "mode": mode, "round": rnd, "ok": ok,
+                "load_before": 15.0, "rows": [row] if ok else []}
+
+    lines = cluster_cells.summarize([cell("plain", 0, 1.6), cell("nice", 0, 1.0), cell("plain", 1, 1.0),
+                                     cell("nice", 1, 0.9, ok=False)])
+    by_mode = {line["mode"]: line for line in lines}
+    assert by_mode["plain"]["busbw_of_link"] == [0.5, 0.8]
+    assert by_mode["plain"]["over_formula"] == [1.0, 0.25]
+    assert by_mode["nice"]["busbw_of_link"] == [0.8]  # the failed round is left out, not zero
+    assert by_mode["nice"]["nice"] == [-15]
+    assert by_mode["plain"]["max_busiest_run_of_wall"] == [0.5, 0.5]
+    assert by_mode["plain"]["max_busiest_wait_of_wall"] == [0.2, 0.2]
+    assert by_mode["plain"]["ranks_cores"] == [1.0, 1.0]  # two ranks, each 1 CPU second in 2 s
