@@ -150,8 +150,9 @@ def test_horovodrun_adds_no_tensorflow_log_to_a_job():
     assert proc.returncode == 0, proc.stderr
     # Open MPI tags each chunk it reads, and the rank's line and its newline may arrive as two:
     # '[1,0]<stdout>:ringtrain-first-line[1,0]<stdout>:\n' (6 of 6 runs through subprocess on the
-    # loaded machine, main's build too; 0 of 2 from a shell pipe).  Compare the text untagged.
-    stdout = re.sub(r"\[\d+,\d+\]<stdout>:", "", proc.stdout)
+    # loaded machine, main's build too; 0 of 2 from a shell pipe).  Compare the text untagged
+    # (Open MPI 5 puts a space after the tag: '[1,0]<stdout>: ringtrain-first-line').
+    stdout = re.sub(r"\[\d+,\d+\]<stdout>: ?", "", proc.stdout)
     assert stdout.splitlines()[0] == "ringtrain-first-line", proc.stdout
     noise = [line for line in proc.stderr.splitlines()
              if re.search(r"tensorflow|absl|oneDNN|cpu_feature_guard|port\.cc", line, re.I)]
