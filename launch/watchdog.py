@@ -35,7 +35,8 @@ pieces (the third in :mod:`launch.guardian`) end such a job within ``--stall-tim
 
 Elastic jobs (``--elastic``) issue no collective outside the elastic loop and change ranks as
 workers come and go, so they run without heartbeats: the guardian handles a frozen worker after
-``--stall-timeout`` seconds, and a worker that makes no progress for ``--stall-timeout +``
+``--stall-timeout`` seconds, and a worker that makes no progress for ``--stall-timeout`` (or
+Gloo's timeout, if longer: that is what releases a collective whose peer was cut off) +
 :data:`ELASTIC_GRACE` seconds (long enough for the others to re-form without a lost worker)
 leaves the job with one line.
 
@@ -258,8 +259,12 @@ class Watchdog:
         what = (f"no training step or collective completed on rank {self.rank} for "
                 f"{stalled:.0f} s (--stall-timeout {self.timeout:g})")
         if self.elastic:
-            if stalled <= self.timeout + ELASTIC_GRACE:
-                return None  # a frozen peer's guardian acts first, then the job re-forms
+            if stalled <= max(self.timeout, gloo_timeout()) + ELASTIC_GRACE:
+                # A frozen peer's guardian acts first, then the job re-forms.  A peer cut off by a
+                # partition is not reset: Gloo's timeout releases this worker's collective, then it
+                # re-forms (measured: 30.2 s after the cut with Gloo's default 30 s; leaving at
+                # --stall-timeout 10 + 30 s had failed the job the driver was about to re-form).
+                return None
             return (f"rank {self.rank} ({local_host()}, pid {os.getpid()}): {what}; this worker "
                     f"leaves the elastic job")
         if self.rank != 0:
@@ -334,6 +339,14 @@ def progress(step: bool = False) -> None:
     if dog is not None:
         dog.steps += step
         dog.last = _now()
+
+
+def gloo_timeout() -> float:
+    """Horovod's Gloo timeout in this worker (horovodrun's --gloo-timeout-seconds; 30 s default)."""
+    try:
+        return float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "30"))
+    except ValueError:
+        return 30.0
 
 
 def start(stall_timeout: float, hvd, elastic: bool = False) -> Watchdog | None:

@@ -7,7 +7,8 @@ taken down or DROPped with iptables mid-epoch, iptables random loss plus a tbf r
 host (tc netem where the kernel has it), a tmpfs too small for the next checkpoint.
 
 CI runs the cells marked "ci" below (3.5 min here at load 5-7, with the fast checks of the
-pieces); the full matrix (38 tests, 47 min here at load 9-25) runs with
+pieces); the full matrix (46 tests; the 38 that existed then took 47 min here at load 9-25,
+the 6 elastic cross-host cells added later 5.4 min) runs with
 ``RINGTRAIN_FAULTS=all pytest tests/test_faults.py``.  ``RINGTRAIN_FAULT_LOG=FILE`` appends one
 JSON line per cell with the measured time from the fault to the outcome (docs/fault-tolerance.md's
 table comes from such a run).
@@ -433,6 +434,105 @@ def test_lossy_slow_link_trains_on_to_the_same_weights(hosts, framework, control
     assert [e["train_loss"] for e in lossy["epochs"]] == [e["train_loss"] for e in clean["epochs"]]
 
 
+def elastic_cross_host_job(hosts, module: str, args: list[str], tmp_path: Path) -> tuple[Job, Path]:
+    """An elastic job (``--min-np 1 --max-np 2``) with one worker on each host, started on host A
+    with the discovery script listing both; returns it and its metrics file."""
+    a, b = hosts.hosts
+    tmp_path.mkdir(exist_ok=True)
+    hosts_file, metrics = tmp_path / "hosts.txt", tmp_path / "metrics.json"
+    hosts_file.write_text(f"{a.name}:1\n{b.name}:1\n")
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2",
+           "--host-discovery-script", str(REPO / "launch" / "discover_hosts.sh"),
+           "--ssh-identity-file", str(hosts.identity_file), "--network-interfaces", hosts.iface,
+           sys.executable, "-m", module, "--elastic", *args, "--metrics-out", str(metrics)]
+    env = {"PATH": hosts.env()["PATH"], "RINGTRAIN_HOSTS": str(hosts_file),
+           "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2))}
+    return Job(hosts.cmd_in(a, cmd), str(tmp_path), module, env=env), metrics
+
+
+def wait_for_line(job: Job, pattern: str, timeout: float) -> float:
+    """Seconds waited until a line of ``job`` matches ``pattern``; fails (and kills it) past
+    ``timeout`` or if the job ends first."""
+    t0 = time.monotonic()
+    while not any(re.search(pattern, ln) for ln in list(job.lines)):
+        if job.proc.poll() is not None or time.monotonic() - t0 > timeout:
+            job.kill()
+            pytest.fail(f"never saw {pattern!r}:\n{job.output()[-4000:]}")
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+def worker_on(job: Job, host) -> psutil.Process:
+    found = [p for p in job.ranks() if p.environ().get("HOROVOD_HOSTNAME") == host.name]
+    assert len(found) == 1, (host.name, [p.environ().get("HOROVOD_HOSTNAME") for p in job.ranks()])
+    return found[0]
+
+
+ELASTIC_JOB = ["--train-samples", "1536", "--test-samples", "500", "--batch-size", "32",
+               "--no-progress", "--commit-every", "4", "--seed", "3", "--stall-timeout", str(STALL)]
+
+
+@pytest.mark.parametrize("framework,how,tier", cells(
+    ("torch", "link-down", "ci"), ("tf", "drop", "full"), ("torch", "drop", "full"),
+    ("tf", "link-down", "full")))
+def test_partition_cuts_off_an_elastic_worker_and_the_job_recovers(hosts, framework, how, tier,
+                                                                   tmp_path, jobs):
+    """Host B is cut off from an elastic job mid-run.  Horovod's driver learns that a remote
+    worker ended only when its ssh session ends, which a partition never made happen: the job
+    was still running 120 s after the cut.  Now ssh's keepalive (our Horovod patch) ends the
+    session, Gloo's timeout releases host A's worker from its collective, and the job re-forms
+    on host A from its last commit and finishes; the worker on host B leaves by itself."""
+    from test_elastic import check_trained, world_sizes
+
+    job, metrics = elastic_cross_host_job(hosts, MODULES[framework], [*ELASTIC_JOB, "--epochs", "3"],
+                                          tmp_path)
+    jobs.append(job)
+    wait_for_line(job, r"epoch 1/3:", timeout=300)
+    victim = worker_on(job, hosts.b)
+    with partition(hosts, how):
+        t0 = time.monotonic()
+        took = wait_for_line(job, r"elastic: 1 worker", timeout=BOUND + 60)
+        record(f"partition ({how})/{framework}/gloo/elastic", "recovered", took)
+        rc, _ = job.wait_exit(240)
+        # nothing can reach host B to stop its worker: it must leave by itself (its watchdog)
+        with contextlib.suppress(psutil.Error):
+            victim.wait(timeout=max(1, 30 + 2 * BOUND - (time.monotonic() - t0)))
+        assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE, \
+            f"the worker on host B still runs {time.monotonic() - t0:.0f} s after the partition"
+    assert rc == 0, job.output()[-4000:]
+    summary = json.loads(metrics.read_text())
+    assert world_sizes(summary) == [2, 1]
+    assert summary["elastic_resizes"][1]["consumed"] % (4 * 32 * 2) == 0, "rolled back to a commit"
+    check_trained(summary, 3)
+
+
+@pytest.mark.parametrize("framework,tier", cells(("torch", "full"), ("tf", "full")))
+def test_lossy_slow_link_does_not_shrink_an_elastic_job(hosts, framework, tier, tmp_path, jobs):
+    """A lossy, slow link to host B is not a lost worker: the elastic job keeps both workers
+    (never re-forms) and ends with bit for bit the weights of the same job over the clean link."""
+    from test_elastic import world_sizes
+
+    results = {}
+    for label in ("clean", "lossy"):
+        job, metrics = elastic_cross_host_job(
+            hosts, MODULES[framework], [*ELASTIC_JOB, "--train-samples", "512", "--epochs", "2"],
+            tmp_path / label)
+        jobs.append(job)
+        with lossy_slow_link(hosts) if label == "lossy" else contextlib.nullcontext("clean") as what:
+            rc, took = job.wait_exit(300)
+        assert rc == 0 and not error_lines(job.output()), job.output()[-3000:]
+        results[label] = json.loads(metrics.read_text())
+        hosts.kill_strays()
+    clean, lossy = results["clean"], results["lossy"]
+    record(f"lossy link ({what})/{framework}/gloo/elastic",
+           f"trained on with 2 workers, same weights; {clean['total_seconds']:.1f} s of training "
+           f"over the clean link", lossy["total_seconds"])
+    assert world_sizes(lossy) == world_sizes(clean) == [2]
+    assert len(set(lossy["param_checksums"])) == 1
+    assert lossy["param_checksums"] == clean["param_checksums"]
+    assert [e["train_loss"] for e in lossy["epochs"]] == [e["train_loss"] for e in clean["epochs"]]
+
+
 # --- 4. a full disk during a checkpoint save ----------------------------------------------------
 
 @pytest.fixture
@@ -591,6 +691,24 @@ def test_only_a_training_step_ends_the_start_up_grace(monkeypatch):
     watchdog.progress(step=True)
     dog.last = time.monotonic() - 5
     assert dog.check() and "no training step or collective completed on rank 0" in dog.check()
+
+
+def test_an_elastic_worker_waits_for_gloos_timeout_before_it_leaves(monkeypatch):
+    """An elastic worker whose peer was cut off sits in a collective until Gloo's timeout
+    releases it and the job re-forms; leaving at --stall-timeout + 30 s (10 + 30 < 30 + 30 here)
+    would fail a job that was about to recover."""
+    from launch import watchdog
+
+    monkeypatch.setenv("HOROVOD_GLOO_TIMEOUT_SECONDS", "30")
+    dog = watchdog.Watchdog(10, 0, 2, "gloo", elastic=True)
+    dog.steps = 1
+    dog.last = time.monotonic() - (10 + watchdog.ELASTIC_GRACE + 5)
+    assert dog.check() is None
+    dog.last = time.monotonic() - (30 + watchdog.ELASTIC_GRACE + 5)
+    assert "this worker leaves the elastic job" in (dog.check() or "")
+    monkeypatch.setenv("HOROVOD_GLOO_TIMEOUT_SECONDS", "5")  # then --stall-timeout rules
+    dog.last = time.monotonic() - (10 + watchdog.ELASTIC_GRACE + 5)
+    assert "this worker leaves the elastic job" in (dog.check() or "")
 
 
 GUARDED = """
