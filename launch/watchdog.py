@@ -262,8 +262,9 @@ class Watchdog:
             if stalled <= max(self.timeout, gloo_timeout()) + ELASTIC_GRACE:
                 # A frozen peer's guardian acts first, then the job re-forms.  A peer cut off by a
                 # partition is not reset: Gloo's timeout releases this worker's collective, then it
-                # re-forms (measured: 30.2 s after the cut with Gloo's default 30 s; leaving at
-                # --stall-timeout 10 + 30 s had failed the job the driver was about to re-form).
+                # re-forms (measured: 30.2 s after the cut with Gloo's default 30 s; with
+                # --gloo-timeout-seconds 180, leaving at --stall-timeout 10 + 30 s ended the job:
+                # exit 1 after 40.7 s, before Gloo could release the worker).
                 return None
             return (f"rank {self.rank} ({local_host()}, pid {os.getpid()}): {what}; this worker "
                     f"leaves the elastic job")
