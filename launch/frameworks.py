@@ -7,8 +7,12 @@ library otherwise), so the launcher imports lazily, by name.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
+import importlib.util
 import os
+import re
+from pathlib import Path
 from types import ModuleType
 
 from launch.errors import UserError
@@ -19,6 +23,36 @@ TRAINERS = {"torch": ("torch_models.train", "torch_models.elastic"),
             "tf": ("tf_models.train", "tf_models.elastic")}
 _PACKAGES = {"torch": ("torch", "horovod.torch"), "tf": ("tensorflow", "horovod.tensorflow")}
 _INSTALL_HINT = "run 'make setup' (or bash .ci/setup) to install the pinned stack and build Horovod"
+# The patch this checkout builds Horovod with; absent where ringtrain is installed without it.
+CHECKOUT_PATCH = Path(__file__).resolve().parents[1] / ".ci" / "horovod-0.28.1.patch"
+ANY_HOROVOD = "RINGTRAIN_ANY_HOROVOD"  # =1: run on whatever Horovod is installed
+
+
+def horovod_build_problem(patch: Path = CHECKOUT_PATCH, package_dir: Path | None = None) -> str | None:
+    """Why the installed Horovod is not the one this checkout builds, or None.
+
+    ``make setup`` records the patch's SHA-256 inside the Horovod it builds
+    (``horovod/_ringtrain_patch.py``, .ci/horovod-build.sh).  Another build (PyPI's, a container's,
+    one of an older checkout) runs, but without fixes the trainers rely on: upstream 0.28.1's
+    Keras optimizer skipped the allreduce on Keras 3 and ranks trained apart without an error.
+    Read as text, without importing Horovod.
+    """
+    if not patch.is_file() or os.environ.get(ANY_HOROVOD) == "1":
+        return None
+    if package_dir is None:
+        spec = importlib.util.find_spec("horovod")
+        if spec is None or not spec.submodule_search_locations:
+            return None  # not installed: import_trainer says so
+        package_dir = Path(next(iter(spec.submodule_search_locations)))
+    record = package_dir / "_ringtrain_patch.py"
+    found = re.search(r'PATCH_SHA256 = "([0-9a-f]+)"', record.read_text()) if record.is_file() else None
+    want = hashlib.sha256(patch.read_bytes()).hexdigest()
+    if found and found.group(1) == want:
+        return None
+    what = (f"was built from another version of the patch ({found.group(1)[:10]}, this checkout's is "
+            f"{want[:10]})" if found else "was not built by ringtrain's setup (it records no patch)")
+    return (f"the Horovod in {package_dir.parent} {what}, so it lacks fixes the trainers rely on; "
+            f"run 'make setup' to rebuild it (or set {ANY_HOROVOD}=1 to use it anyway)")
 
 
 def import_trainer(framework: str, elastic: bool = False) -> ModuleType:
@@ -33,6 +67,9 @@ def import_trainer(framework: str, elastic: bool = False) -> ModuleType:
         # variable for some of them (launch/native_logs.py), so the level is applied here too.
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         quiet = quiet_native_logs(min_level(os.environ["TF_CPP_MIN_LOG_LEVEL"]))
+    problem = horovod_build_problem()
+    if problem:
+        raise UserError(problem)
     framework_pkg, horovod_pkg = _PACKAGES[framework]
     with quiet:
         try:

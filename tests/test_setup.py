@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-BUILD_ERRORS = REPO / ".ci" / "build-errors.sh"
+BUILD_ERRORS = REPO / ".ci" / "horovod-build.sh"
 # What setup calls before it gets to the missing tools (bash builtins aside).
 SHELL_TOOLS = ["bash", "sed", "id", "date", "dirname", "cat", "ls", "sort", "tail", "awk"]
 NOBODY = 65534
@@ -49,7 +49,7 @@ def bare_machine():
         home.mkdir(mode=0o777)
         home.chmod(0o777)
         (repo / ".ci").mkdir(parents=True)
-        for name in (".ci/setup", ".ci/build-errors.sh", ".ci/horovod-0.28.1.patch", "constraints.txt"):
+        for name in (".ci/setup", ".ci/horovod-build.sh", ".ci/horovod-0.28.1.patch", "constraints.txt"):
             shutil.copyfile(REPO / name, repo / name)
         yield bin_dir, home, repo
     finally:
