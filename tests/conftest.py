@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,34 @@ def train(module: str, args: list[str], np: int = 2, how: str = "horovodrun",
 
 def metrics(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def one_error_line(proc, *needles: str) -> str:
+    """The run ended as bad input must: exit status 2, no traceback, exactly one ``error:`` line,
+    which names every needle."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(folder: Path, size: str, read_only: bool = False) -> Iterator[Path]:
+    """A tmpfs of ``size`` (e.g. ``2m``) mounted on ``folder`` (created), unmounted afterwards;
+    skips the test where it cannot be mounted (not root)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "ringtrain-test-tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {proc.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
 def horovod_ready() -> bool:

@@ -6,22 +6,12 @@ import shutil
 import sys
 
 import pytest
-from conftest import BIN, requires_horovod, run, train
+from conftest import BIN, one_error_line, requires_horovod, run, train
 from test_mnist import SHARED
 
 from launch import mnist
 
 SMALL = ["--train-samples", "256", "--test-samples", "100", "--epochs", "1", "--no-progress"]
-
-
-def one_error_line(proc, *needles: str) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
-    assert len(lines) == 1, proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.mark.parametrize("module", ["launch.torch_mnist", "launch.tf_mnist"])

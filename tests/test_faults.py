@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from conftest import BIN, REPO, launch_cmd, requires_horovod
+from conftest import BIN, REPO, launch_cmd, mounted_tmpfs, requires_horovod
 
 from launch import checkpoint
 
@@ -193,7 +193,7 @@ def assert_newest_checkpoint_loads(ckpt: Path, framework: str) -> int:
     if framework == "torch":
         import torch
 
-        meta = torch.load(path, map_location="cpu", weights_only=False)["meta"]
+        meta = torch.load(path, map_location="cpu", weights_only=True)["meta"]
     else:
         with np.load(path, allow_pickle=False) as npz:
             meta = json.loads(str(npz["meta"]))
@@ -538,16 +538,8 @@ def test_lossy_slow_link_does_not_shrink_an_elastic_job(hosts, framework, tier, 
 @pytest.fixture
 def small_disk(tmp_path):
     """A 2 MB tmpfs: room for one checkpoint (1.5 MB) but not for the next one's temp file."""
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "ringtrain-test-tmpfs", str(folder)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {proc.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "ckpt", "2m") as folder:
         yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
 @pytest.mark.parametrize("framework,mode,tier", cells(

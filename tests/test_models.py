@@ -11,8 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BIN, REPO, SMALL, metrics, requires_horovod, run, train
-from test_bad_input import one_error_line
+from conftest import BIN, REPO, SMALL, metrics, one_error_line, requires_horovod, run, train
 from test_tensorboard import read_events, scalars
 
 from launch.errors import UserError
@@ -109,7 +108,7 @@ def test_checkpoint_records_the_model_and_resume_refuses_another(user_run, user_
     if fw == "torch":
         import torch
 
-        meta = torch.load(newest, map_location="cpu", weights_only=False)["meta"]
+        meta = torch.load(newest, map_location="cpu", weights_only=True)["meta"]
     else:
         with np.load(newest, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
