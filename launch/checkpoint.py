@@ -4,14 +4,26 @@ The payload is framework-specific (the trainers serialise it), but every checkpo
 same metadata, so a checkpoint from another model, framework or format version is refused with one
 line rather than loaded into the wrong tensors.  Files are written atomically (see
 :func:`launch.report.atomic_write_bytes`), so a kill mid-save leaves the previous one intact.
+
+Nothing in a checkpoint runs.  Checkpoint folders are shared (NFS, object stores), so whoever can
+write one could otherwise run code as the training user on rank 0: PyTorch's files are read with
+``torch.load(weights_only=True)``, NumPy's with ``allow_pickle=False``, and both frameworks write zip
+archives, so :func:`check_archive` sorts out everything else before a reader sees it: a file that
+is not a complete archive is *damaged* (resume falls back to the previous checkpoint and says so),
+one that is a pickle, or an archive holding more than tensors and plain data, is *refused*.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import os
+import pickletools
 import re
+import shutil
 import sys
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,33 +34,127 @@ FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-epoch(\d{4,})\.(\w+)$")
 
 
-def ensure_writable(directory: str | os.PathLike, flag: str = "--checkpoint-dir") -> Path:
-    """Create the folder and prove we can write into it, before training starts."""
+def ensure_writable(directory: str | os.PathLike, flag: str = "--checkpoint-dir",
+                    need_bytes: int = 0) -> Path:
+    """Create the folder and prove we can write into it, and that it has room for ``need_bytes``
+    (one checkpoint), before training starts."""
     path = Path(directory)
+    what = "checkpoint folder" if flag == "--checkpoint-dir" else f"{flag} folder"
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
+        free = shutil.disk_usage(path).free
     except OSError as err:
-        what = "checkpoint folder" if flag == "--checkpoint-dir" else f"{flag} folder"
         raise UserError(f"{what} {path} is not writable ({err.strerror}); choose another "
                         f"{flag}") from None
+    if free < need_bytes:
+        raise UserError(f"{what} {path} has {free / 1e6:.1f} MB free, one checkpoint of this model "
+                        f"needs about {need_bytes / 1e6:.1f} MB; free space there or choose another "
+                        f"{flag}")
     return path
+
+
+def estimated_bytes(param_count: int, momentum: float) -> int:
+    """About one checkpoint's size: float32 weights, and as many momentum slots with momentum."""
+    return param_count * 4 * (2 if momentum else 1)
+
+
+def check_resume_folder(directory: str | os.PathLike) -> None:
+    """``--resume`` continues a run: its folder must exist (an empty one starts afresh)."""
+    if not Path(directory).is_dir():
+        raise UserError(f"--resume: the checkpoint folder {directory} does not exist; fix "
+                        f"--checkpoint-dir, or drop --resume to start a new run there")
 
 
 def path_for(directory: str | os.PathLike, epoch: int, ext: str) -> Path:
     return Path(directory) / f"ckpt-epoch{epoch:04d}.{ext}"
 
 
-def latest(directory: str | os.PathLike, ext: str) -> Path | None:
-    """Newest complete checkpoint (temporary files from interrupted saves never match)."""
+def newest_first(directory: str | os.PathLike, ext: str) -> list[Path]:
+    """The folder's checkpoints, newest epoch first (temporary files from interrupted saves never
+    match)."""
     found = []
     for entry in Path(directory).glob(f"ckpt-epoch*.{ext}"):
         m = _NAME.match(entry.name)
         if m:
             found.append((int(m.group(1)), entry))
-    return max(found)[1] if found else None
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def latest(directory: str | os.PathLike, ext: str) -> Path | None:
+    """Newest checkpoint by name."""
+    found = newest_first(directory, ext)
+    return found[0] if found else None
+
+
+# --- reading: nothing in a file runs -----------------------------------------------------------
+
+class Damaged(Exception):
+    """A checkpoint that is not complete (truncated, bit rot): an earlier one can stand in."""
+
+
+def refused(path: Path, why: str) -> UserError:
+    return UserError(f"checkpoint {path} {why}: refused without loading it (loading would run "
+                     f"code); ringtrain never writes such a file, so remove it and check who can "
+                     f"write to {path.parent}")
+
+
+def _is_pickle(data: bytes) -> bool:
+    """Whether ``data`` parses as a pickle stream: read opcode by opcode, nothing is executed."""
+    try:
+        for _ in pickletools.genops(io.BytesIO(data)):
+            pass
+    except Exception:  # pickletools raises ValueError and friends on anything that is no pickle
+        return False
+    return bool(data)
+
+
+def check_archive(path: Path) -> None:
+    """Both frameworks' checkpoints are zip archives (``torch.save``, ``np.savez``): raise
+    :class:`Damaged` for a file that is not a complete one (truncated, a failed CRC), and refuse
+    a bare pickle, before any reader sees the file."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every member and checks its CRC
+    except (zipfile.BadZipFile, EOFError, OSError) as err:
+        if _is_pickle(path.read_bytes()):
+            raise refused(path, "is a bare Python pickle, not a checkpoint archive") from None
+        raise Damaged(f"not a complete checkpoint archive: {type(err).__name__}") from None
+    if bad is not None:
+        raise Damaged(f"member {bad} fails its CRC check")
+
+
+def restore_newest(directory: str | os.PathLike, ext: str, read: Callable[[Path], tuple[Any, Any]],
+                   *, framework: str, model: str, param_count: int) -> tuple[int, Any] | None:
+    """``(epoch, payload)`` of the newest usable checkpoint, or None when the folder has none.
+
+    ``read(path)`` returns ``(metadata, payload)``; it raises :class:`Damaged` for an incomplete
+    file, which is skipped with one warning line for the previous one, and :class:`UserError` for
+    one that must stop the run (unsafe, another model, a newer format).
+    """
+    damaged: list[tuple[Path, Damaged]] = []
+    for path in newest_first(directory, ext):
+        try:
+            check_archive(path)
+            meta, payload = read(path)
+        except Damaged as err:
+            damaged.append((path, err))
+            continue
+        epoch = check_metadata(meta, path, framework, model, param_count)
+        if damaged:
+            which = "; ".join(f"{p.name} is damaged ({err})" for p, err in damaged)
+            sys.stderr.write(f"warning: checkpoint {which}; resuming from {path.name}, the newest "
+                             f"intact one\n")  # one write: MPI's output tagging splits writes
+            sys.stderr.flush()
+        return epoch, payload
+    if damaged:
+        path, err = damaged[0]
+        raise UserError(f"checkpoint {path} is corrupt ({err}) and no earlier checkpoint in "
+                        f"{directory} is intact; delete the damaged files to start afresh, or "
+                        f"point --checkpoint-dir at another folder")
+    return None
 
 
 # A save that fails for want of space is not worth the run: training itself is unaffected, the
@@ -91,8 +197,13 @@ def check_metadata(meta: Any, path: Path, framework: str, model: str, param_coun
     """Return the checkpoint's epoch, or raise one clear line on any mismatch."""
     if not isinstance(meta, dict) or "format_version" not in meta:
         raise UserError(f"{path} is not a ringtrain checkpoint; remove it or pick another folder")
-    if meta["format_version"] != FORMAT_VERSION:
-        raise UserError(f"{path} has checkpoint format {meta['format_version']}, this version "
+    version = meta["format_version"]
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise UserError(f"{path} was written by a newer ringtrain (checkpoint format {version}, "
+                        f"this one reads up to {FORMAT_VERSION}); upgrade ringtrain to resume it, "
+                        f"or start a fresh --checkpoint-dir")
+    if version != FORMAT_VERSION:
+        raise UserError(f"{path} has checkpoint format {version!r}, this version "
                         f"reads {FORMAT_VERSION}; start a fresh --checkpoint-dir")
     for key, want in (("framework", framework), ("model", model), ("param_count", param_count)):
         if meta.get(key) != want:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from launch import dataset, watchdog
+from launch import dataset, divergence, watchdog
 from launch.errors import UserError
 from launch.lr import lr_at, scaled_lr
 from launch.report import EpochRecord
@@ -99,6 +99,7 @@ class Glue:
     step: Callable[[np.ndarray, float], tuple[float, int]]  # (this rank's indices, lr) -> (loss sum, n)
     eval_sums: Callable[[], list[float]]  # this rank's test (loss sum, correct, count)
     save_checkpoint: Callable[[int], None]  # rank 0, after each epoch (a no-op without a folder)
+    weights_finite: Callable[[], bool]  # every parameter a finite number (identical on all ranks)
 
 
 def run_epochs(state, args, n_train: int, glue: Glue, job) -> tuple[float, float]:
@@ -133,6 +134,9 @@ def run_epochs(state, args, n_train: int, glue: Glue, job) -> tuple[float, float
                                       args.max_steps),
                        args.base_lr, target_lr, args.warmup_epochs, args.epochs, args.lr_decay)
             loss_sum, used = glue.step(shard[step * batch * k:][:batch * k], lr)
+            if not glue.weights_finite():  # identical on every rank: all stop here
+                raise divergence.stop(job.gather, epoch, state.epoch_steps + 1,
+                                      lambda s=loss_sum, n=used: s / max(n, 1))
             pending = [pending[0] + loss_sum, pending[1] + used]
             state.consumed += used * glue.size  # a strided prefix per rank is a prefix of the order
             state.epoch_steps += 1

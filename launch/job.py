@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from launch import checkpoint, cli, dataset, elastic, models, watchdog
+from launch import checkpoint, cli, dataset, elastic, models, termination, watchdog
 from launch.errors import UserError
 from launch.frameworks import import_trainer
 from launch.lr import lr_at
@@ -93,15 +93,20 @@ class Job:
 
     # --- start-up ----------------------------------------------------------------------------
 
-    def check_folders(self) -> None:
-        """Rank 0 proves it can write where it will write (creates the folders)."""
+    def check_folders(self, param_count: int) -> None:
+        """Rank 0 proves it can write where it will write (creates the folders), with room for one
+        checkpoint of a model of ``param_count`` parameters; ``--resume`` needs its folder."""
+        args = self.args
         if self.rank == 0:
-            if self.args.checkpoint_dir:
-                checkpoint.ensure_writable(self.args.checkpoint_dir)
-            if self.args.tensorboard:
-                checkpoint.ensure_writable(self.args.tensorboard, "--tensorboard")
+            if args.checkpoint_dir:
+                if args.resume:
+                    checkpoint.check_resume_folder(args.checkpoint_dir)
+                checkpoint.ensure_writable(args.checkpoint_dir, need_bytes=checkpoint.estimated_bytes(
+                    param_count, args.momentum))
+            if args.tensorboard:
+                checkpoint.ensure_writable(args.tensorboard, "--tensorboard")
 
-    def load_data(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def load_data(self, param_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """This rank's (train images, train labels, test images, test labels), uint8 images.
 
         Rank 0 alone checks its output folders and may download; every rank learns its verdict
@@ -111,7 +116,7 @@ class Job:
         data, problem = None, None
         if self.rank == 0:
             try:
-                self.check_folders()
+                self.check_folders(param_count)
                 data = self.dataset.load(self.args.data_dir, download=True)
             except UserError as err:
                 problem = str(err)
@@ -139,6 +144,8 @@ class Job:
         epoch, problem = self.broadcast((epoch, problem), "resume")
         if problem is not None:
             raise UserError(problem)
+        if self.args.resume and epoch == 0:
+            self.info(f"resume: no checkpoint in {self.args.checkpoint_dir} yet; starting from epoch 1")
         return epoch
 
     def new_summary(self, param_count: int, **fields: Any) -> Summary:
@@ -216,12 +223,14 @@ class Job:
 
     def elastic_world(self, state, *, n_train: int, step, eval_sums: Callable[[], Sequence[float]],
                       save: Callable[[int], None], param_count: int,
-                      params: Callable[[], Iterable[np.ndarray]]) -> Summary:
+                      params: Callable[[], Iterable[np.ndarray]],
+                      weights_finite: Callable[[], bool]) -> Summary:
         """One world of an elastic job, from ``state``'s committed position to the end: the shared
         loop (:func:`launch.elastic.run_epochs`) with the framework's ``step`` (this rank's
         indices, LR -> its loss sum and count), ``eval_sums`` and rank 0's checkpoint ``save``."""
         glue = elastic.Glue(rank=self.rank, size=self.size, step=step, eval_sums=eval_sums,
-                            save_checkpoint=lambda epoch: self.args.checkpoint_dir and save(epoch))
+                            save_checkpoint=lambda epoch: self.args.checkpoint_dir and save(epoch),
+                            weights_finite=weights_finite)
         test_loss, test_acc = elastic.run_epochs(state, self.args, n_train, glue, self)
         summary = self.new_summary(param_count, **elastic.summary_fields(state, self.args, glue))
         return self.finish(summary, test_loss=test_loss, test_acc=test_acc,
@@ -262,5 +271,6 @@ def main_with(framework: str, args: argparse.Namespace) -> int:
     """Run a validated command line: the framework's elastic trainer under ``--elastic``, else
     its fixed-size one."""
     elastic.check_launcher(args.elastic)
+    termination.install()  # SIGTERM: finish a save under way, then exit 143 with one line
     import_trainer(framework, elastic=args.elastic).train(args)
     return 0

@@ -44,7 +44,7 @@ def load_params(path: Path) -> list[np.ndarray]:
             return [z[name] for name in meta["weight_keys"]]
     import torch  # only the test process; the trainers run in their own processes
 
-    state = torch.load(path, map_location="cpu", weights_only=False)["model"]
+    state = torch.load(path, map_location="cpu", weights_only=True)["model"]
     return [t.numpy() for t in state.values()]
 
 

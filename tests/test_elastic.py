@@ -47,7 +47,8 @@ class ElasticJob:
     """A running elastic job whose output lines are collected as they arrive."""
 
     def __init__(self, tmp_path: Path, module: str, hosts: list[str], np: int, max_np: int,
-                 epochs: int, extra: list[str] = (), gate_until: str | None = None):
+                 epochs: int, extra: list[str] = (), gate_until: str | None = None,
+                 env: dict[str, str] | None = None):
         """``gate_until``: run under tests/elastic_gate.py, rank 0 held at its first commit until
         ``host-update`` arrives or the test calls :meth:`release`."""
         self.module = module
@@ -69,7 +70,7 @@ class ElasticJob:
         # machine: two workers, four busy threads on two cores, 5x slower.
         self.threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
         env = {**os.environ, "PYTHONPATH": str(REPO), "RINGTRAIN_HOSTS": str(self.hosts_file),
-               "OMP_NUM_THREADS": self.threads}
+               "OMP_NUM_THREADS": self.threads, **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env, cwd=tmp_path, start_new_session=True)
         self.lines: list[str] = []

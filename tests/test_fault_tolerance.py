@@ -205,7 +205,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     run([sys.executable, "-m", MODULE, *LONG[:-3], "--epochs", "1", "--no-progress",
          "--checkpoint-dir", str(ckpt)])
     path = ckpt / "ckpt-epoch0001.pt"
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=True)
     state["meta"]["model"] = "resnet-50"
     torch.save(state, path)
     proc = run([sys.executable, "-m", MODULE, *LONG, "--checkpoint-dir", str(ckpt), "--resume"])

@@ -64,7 +64,7 @@ def test_model_matches_the_torch_reference():
 
 
 @requires_horovod
-def test_checkpoint_round_trip_and_corrupt_file(tmp_path):
+def test_checkpoint_round_trip_and_corrupt_file(tmp_path, capsys):
     import argparse
 
     import keras
@@ -97,7 +97,12 @@ def test_checkpoint_round_trip_and_corrupt_file(tmp_path):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert int(other_opt.iterations.numpy()) == 7
 
+    # A damaged newest checkpoint: resume falls back to the previous one and says so; with no
+    # intact one left, it is one line.
     checkpoint.path_for(tmp_path, 3, "npz").write_bytes(b"PK\x03\x04 definitely not a zip")
+    assert common.load_checkpoint(str(tmp_path), other, other_opt, "mnist-cnn-v1", 184_586) == 2
+    assert "ckpt-epoch0003.npz is damaged" in capsys.readouterr().err
+    checkpoint.path_for(tmp_path, 2, "npz").write_bytes(b"PK\x03\x04 not one either")
     with pytest.raises(UserError, match="corrupt") as err:
         common.load_checkpoint(str(tmp_path), other, other_opt, "mnist-cnn-v1", 184_586)
     assert "\n" not in str(err.value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 
 import horovod
 import horovod.tensorflow as hvd
@@ -18,7 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from launch import checkpoint
+from launch import checkpoint, termination
 from launch.errors import UserError
 from launch.job import EVAL_BATCH, Collectives
 from launch.runtime import threads_per_rank
@@ -76,6 +77,18 @@ def make_eval_sums(net: keras.Model, input_shape: tuple[int, ...]):
     return eval_sums
 
 
+def make_weights_finite(net: keras.Model):
+    """``weights_finite()``: whether every trainable weight is a finite number (one float64 sum
+    per tensor, in one traced function)."""
+    weights = net.trainable_weights
+
+    @tf.function
+    def total():
+        return tf.add_n([tf.reduce_sum(tf.cast(w, tf.float64)) for w in weights])
+
+    return lambda: math.isfinite(float(total()))
+
+
 def parameters(net: keras.Model) -> list[np.ndarray]:
     return [w.numpy() for w in net.weights]
 
@@ -94,6 +107,11 @@ def save_checkpoint(path_dir: str, epoch: int, net: keras.Model, optimizer, mode
     counter, momentum slots), ``rng_NNNN`` (rank 0's dropout seed state) and ``meta``, the JSON
     of :func:`launch.checkpoint.metadata` plus ``weight_keys``, the names of the weight arrays in
     model order (what tools that compare checkpoints across frameworks read)."""
+    with termination.saving():
+        _save(path_dir, epoch, net, optimizer, model_name, param_count, args)
+
+
+def _save(path_dir, epoch, net, optimizer, model_name, param_count, args) -> None:
     arrays = {}
     for prefix, variables in (("model", net.weights), ("optimizer", optimizer.variables),
                               ("rng", rng_variables(net))):
@@ -121,20 +139,32 @@ def _restore(variables: list, arrays: dict, prefix: str, path) -> None:
         var.assign(arrays[key])
 
 
-def load_checkpoint(path_dir: str, net: keras.Model, optimizer, model_name: str,
-                    param_count: int) -> int:
-    """Restore rank 0's model/optimizer from the newest checkpoint; return its epoch (0 if none)."""
-    path = checkpoint.latest(path_dir, CKPT_EXT)
-    if path is None:
-        return 0
+def read_checkpoint(path) -> tuple[object, dict]:
+    """``(metadata, arrays)`` of one ``.npz``, read with ``allow_pickle=False``: an object array
+    (a pickle inside) is refused, never unpickled."""
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {key: npz[key] for key in npz.files}
         meta = json.loads(str(arrays["meta"])) if "meta" in arrays else None
+    except ValueError as err:
+        if "allow_pickle" in str(err):
+            raise checkpoint.refused(path, "holds pickled Python objects") from None
+        raise checkpoint.Damaged(type(err).__name__) from None
     except Exception as err:  # zipfile, numpy and json raise many types for damaged files
-        raise UserError(f"checkpoint {path} is corrupt ({type(err).__name__}); delete it to "
-                        f"resume from the one before") from None
-    epoch = checkpoint.check_metadata(meta, path, "tf", model_name, param_count)
+        raise checkpoint.Damaged(type(err).__name__) from None
+    return meta, arrays
+
+
+def load_checkpoint(path_dir: str, net: keras.Model, optimizer, model_name: str,
+                    param_count: int) -> int:
+    """Restore rank 0's model/optimizer from the newest intact checkpoint; return its epoch (0 if
+    there is none)."""
+    found = checkpoint.restore_newest(path_dir, CKPT_EXT, read_checkpoint, framework="tf",
+                                      model=model_name, param_count=param_count)
+    if found is None:
+        return 0
+    epoch, arrays = found
+    path = checkpoint.path_for(path_dir, epoch, CKPT_EXT)
     _restore(net.weights, arrays, "model", path)
     opt_vars = optimizer.variables
     if len([k for k in arrays if k.startswith("optimizer_")]) == len(opt_vars) - 1:

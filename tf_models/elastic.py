@@ -44,7 +44,7 @@ def train(args: argparse.Namespace) -> Summary:
     keras.utils.set_random_seed(args.seed + first.rank)  # rank 0's weights win at the first sync
     net = build(args.model, first.dataset, args.dropout, None)  # checked on every rank
     param_count = net.count_params()
-    first.check_folders()
+    first.check_folders(param_count)
     train_images, train_y, test_images, test_y = elastic.local_data(args)
     n_train, n_test = len(train_y), len(test_y)
     train_x = model_inputs(first.dataset, train_images)
@@ -65,6 +65,7 @@ def train(args: argparse.Namespace) -> Summary:
     # Horovod: the elastic state broadcasts rank 0's weights and optimizer at every (re)start.
     state = ElasticKerasState(net, optimizer, **elastic.initial_state(start_epoch))
     eval_sums = common.make_eval_sums(net, first.dataset.input_shape)
+    weights_finite = common.make_weights_finite(net)
 
     def run(state) -> Summary:
         with peer_failures_roll_back():
@@ -91,7 +92,7 @@ def train(args: argparse.Namespace) -> Summary:
             eval_sums=lambda: eval_sums(test_x[eval_idx], test_y[eval_idx]),
             save=lambda epoch: common.save_checkpoint(args.checkpoint_dir, epoch, net, optimizer,
                                                       job.model_name, param_count, args),
-            params=lambda: common.parameters(net))
+            params=lambda: common.parameters(net), weights_finite=weights_finite)
 
     # Not ``hvd.elastic.run``: Horovod's TF wrapper swallows op errors it does not recognise (see
     # peer_failures_roll_back); run_fn is the loop it wraps, minus that.

@@ -26,7 +26,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from launch import watchdog
+from launch import divergence, watchdog
 from launch.dataset import model_inputs
 from launch.job import Job
 from launch.lr import scaled_lr
@@ -54,7 +54,7 @@ def train(args: argparse.Namespace) -> Summary:
     net = build(args.model, job.dataset, args.dropout, "mixed_float16" if args.amp else None)
     param_count = net.count_params()  # the model is checked on every rank before any collective
 
-    train_images, train_labels, test_images, test_y = job.load_data()
+    train_images, train_labels, test_images, test_y = job.load_data(param_count)
     test_x = model_inputs(job.dataset, test_images)
     steps = optimizer_steps(job.n_train, size, args.batch_size, k, args.max_steps)
 
@@ -86,6 +86,7 @@ def train(args: argparse.Namespace) -> Summary:
         batches = [b for epoch in range(start_epoch + 1, args.epochs + 1)
                    for b in epoch_batches(job.n_train, rank, size, args, epoch, steps)]
         to_job = FitToJob(job, sums, steps=steps, k=k, target_lr=target_lr,
+                          weights_finite=common.make_weights_finite(net),
                           evaluate=lambda: eval_sums(test_x, test_y),
                           save=lambda e: common.save_checkpoint(args.checkpoint_dir, e, net, optimizer,
                                                                 job.model_name, param_count, args))
@@ -112,9 +113,10 @@ class FitToJob(keras.callbacks.Callback):
     """
 
     def __init__(self, job: Job, sums: keras.metrics.Metric, *, steps: int, k: int,
-                 target_lr: float, evaluate, save) -> None:
+                 target_lr: float, weights_finite, evaluate, save) -> None:
         super().__init__()
         self.job, self.sums, self.steps, self.k, self.target_lr = job, sums, steps, k, target_lr
+        self.weights_finite = weights_finite
         self.evaluate, self.save = evaluate, save
         self.epoch, self.lr, self.t0, self.seen = 0, 0.0, 0.0, (0.0, 0.0)
 
@@ -136,6 +138,9 @@ class FitToJob(keras.callbacks.Callback):
         total, count = self.totals()
         step_loss = (total - self.seen[0]) / (count - self.seen[1])
         self.seen = (total, count)
+        if not self.weights_finite():  # identical on every rank: all stop here
+            raise divergence.stop(self.job.gather, self.epoch, (batch + 1) // self.k,
+                                  lambda: step_loss)
         self.job.step_done(self.epoch, (batch + 1) // self.k, self.steps, loss=step_loss, lr=self.lr,
                            consumed=int(count) * self.job.size)
 

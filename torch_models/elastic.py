@@ -38,7 +38,7 @@ def train(args: argparse.Namespace) -> Summary:
     torch.manual_seed(args.seed + first.rank)  # rank 0's weights win at the first sync
     model = build(args.model, first.dataset, args.dropout).to(device)  # checked on every rank
     param_count = sum(p.numel() for p in model.parameters())
-    first.check_folders()
+    first.check_folders(param_count)
     train_images, train_labels, test_images, test_labels = elastic.local_data(args)
     n_train, n_test = len(train_labels), len(test_labels)
     train_x, train_y = common.to_tensors(first.dataset, train_images, train_labels, device)
@@ -88,6 +88,7 @@ def train(args: argparse.Namespace) -> Summary:
             eval_sums=lambda: common.eval_sums(model, test_x[eval_idx], test_y[eval_idx]),
             save=lambda epoch: common.save_checkpoint(args.checkpoint_dir, epoch, model, optimizer,
                                                       job.model_name, param_count, args),
-            params=lambda: common.parameters(model))
+            params=lambda: common.parameters(model),
+            weights_finite=lambda: common.weights_finite(model))
 
     return run(state)

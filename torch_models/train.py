@@ -15,7 +15,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
-from launch import watchdog
+from launch import divergence, watchdog
 from launch.job import Job
 from launch.lr import scaled_lr
 from launch.report import Summary
@@ -41,7 +41,7 @@ def train(args: argparse.Namespace) -> Summary:
     model = build(args.model, job.dataset, args.dropout).to(device)  # checked on every rank
     param_count = sum(p.numel() for p in model.parameters())
 
-    train_images, train_labels, test_images, test_labels = job.load_data()
+    train_images, train_labels, test_images, test_labels = job.load_data(param_count)
     train_x, train_y = common.to_tensors(job.dataset, train_images, train_labels, device)
     test_x, test_y = common.to_tensors(job.dataset, test_images, test_labels, device)
     steps = optimizer_steps(job.n_train, size, args.batch_size, k, args.max_steps)
@@ -102,6 +102,9 @@ def train(args: argparse.Namespace) -> Summary:
                 scaler.update()
             else:
                 optimizer.step()
+            if not common.weights_finite(model):  # identical on every rank: all stop here
+                raise divergence.stop(job.gather, epoch, step + 1,
+                                      lambda s=step_loss, n=step_images: (s / n).item())
             images += step_images
             job.step_done(epoch, step + 1, steps, lr=lr, consumed=images * size,
                           loss=lambda s=step_loss, n=step_images: (s / n).item())
