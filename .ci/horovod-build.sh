@@ -3,7 +3,7 @@
 # patch_horovod SRC PATCH: apply our patch to Horovod's unpacked sdist in SRC, and record in the
 # package which patch that was (horovod/_ringtrain_patch.py, inside the wheel): setup checks a
 # cached wheel against it, and the trainers refuse a Horovod built from another patch
-# (launch/frameworks.py), so a stale build never runs without the fixes the checkout expects.
+# (launch/dispatch.py), so a stale build never runs without the fixes the checkout expects.
 patch_horovod() {
   local src=$1 patch_file=$2
   if command -v patch >/dev/null; then

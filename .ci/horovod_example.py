@@ -4,7 +4,7 @@ weights every rank ends with (used by .ci/horovod-examples; docs/horovod-suite.m
     python .ci/horovod_example.py SCRIPT OUT_DIR [SCRIPT_ARGS ...]     (one per rank, under a launcher)
 
 What it changes around the script, never inside it:
-* MNIST comes from the project's IDX files (launch.mnist: $MNIST_DIR, ../shared/data/mnist, ...):
+* MNIST comes from the project's IDX files (ringtrain.data.mnist: $MNIST_DIR, ../shared/data/mnist, ...):
   Keras' ``mnist.load_data()`` gets an npz written to a temp folder (its download checks a
   SHA-256 and cannot run offline); torchvision finds the .gz files in ``--data-dir``.
 * The run is short: ``Dataset.take`` and ``Model.fit`` (epochs, steps_per_epoch) are capped by

@@ -21,7 +21,7 @@ from statistics import median
 
 from bench import util
 
-# As the trainers run when a host's ranks fill its cores (launch/runtime.py:
+# As the trainers run when a host's ranks fill its cores (ringtrain/runtime.py:
 # configure_mpi_progress; the bench loop sets it itself): without it, a waiting rank busy-polls
 # on the core its peer needs, which on a loaded machine puts tens of ms on every small allreduce.
 YIELD = {"OMPI_MCA_mpi_yield_when_idle": "1"}

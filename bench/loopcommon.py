@@ -3,7 +3,7 @@
 The loops exist so that comparisons differ in one thing only, the distribution wrapper (none,
 Horovod, DDP, MultiWorkerMirrored): same model (``torch_models.model`` / ``tf_models.model``),
 same per-rank batch, same optimizer (SGD with momentum, LR x world size), same thread count
-(:func:`launch.runtime.threads_per_rank`), same timing.
+(:func:`ringtrain.runtime.threads_per_rank`), same timing.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from launch import mnist
-from launch.sharding import shard_indices
+from ringtrain.data import mnist
+from ringtrain.data.sharding import shard_indices
 
 
 def parser(wrappers: tuple[str, ...]) -> argparse.ArgumentParser:

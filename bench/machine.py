@@ -16,7 +16,7 @@ from importlib import metadata
 
 import numpy as np
 
-from launch.runtime import available_cores
+from ringtrain.runtime import available_cores
 
 PACKAGES = ("torch", "tensorflow-cpu", "tensorflow", "keras", "horovod", "mpi4py", "numpy")
 

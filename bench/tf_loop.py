@@ -29,7 +29,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from bench.loopcommon import StepClock, mnist_shard, parser, synthetic_batch, write_result  # noqa: E402
-from launch.runtime import configure_mpi_progress, threads_per_rank  # noqa: E402
+from ringtrain.runtime import configure_mpi_progress, threads_per_rank  # noqa: E402
 from tf_models.model import build_model  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def main() -> None:
     if args.wrapper == "horovod":
         import horovod.tensorflow as hvd
 
-        configure_mpi_progress()  # as the trainers do (launch.runtime.before_init)
+        configure_mpi_progress()  # as the trainers do (ringtrain.runtime.before_init)
         hvd.init()
         rank, size, local_size = hvd.rank(), hvd.size(), hvd.local_size()
     elif args.wrapper == "mwms":

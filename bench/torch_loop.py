@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.loopcommon import StepClock, mnist_shard, parser, slowest_torch, synthetic_batch, write_result
-from launch.runtime import configure_mpi_progress, threads_per_rank
+from ringtrain.runtime import configure_mpi_progress, threads_per_rank
 from torch_models.model import MnistCNN
 
 
@@ -24,7 +24,7 @@ def main() -> None:
     if args.wrapper == "horovod":
         import horovod.torch as hvd
 
-        configure_mpi_progress()  # as the trainers do (launch.runtime.before_init)
+        configure_mpi_progress()  # as the trainers do (ringtrain.runtime.before_init)
         hvd.init()
         rank, size, local_size = hvd.rank(), hvd.size(), hvd.local_size()
     elif args.wrapper == "ddp":

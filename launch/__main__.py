@@ -9,26 +9,27 @@ from __future__ import annotations
 import argparse
 
 from launch import cli
-from launch.errors import run_cli
+from launch.cli import run_cli
+from ringtrain import flags
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.build_parser()
-    parser.add_argument("--framework", required=True, choices=cli.FRAMEWORKS,
+    parser.add_argument("--framework", required=True, choices=flags.FRAMEWORKS,
                         help="torch (PyTorch, horovod.torch) or tf (TensorFlow/Keras 3, "
                              "horovod.tensorflow)")
     return parser
 
 
 def run(argv=None) -> int:
-    """The job; bad input raises :class:`launch.errors.UserError`."""
+    """The job; bad input raises :class:`ringtrain.errors.UserError`."""
     parser = build_parser()
     args = parser.parse_args(argv)
     framework = args.__dict__.pop("framework")
-    cli.validate(args)
-    from launch.job import main_with
+    flags.validate(args)
+    from launch import dispatch
 
-    return main_with(framework, args)
+    return dispatch.run(framework, args)
 
 
 def main(argv=None) -> None:

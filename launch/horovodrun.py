@@ -21,7 +21,8 @@ import sys
 import threading
 from pathlib import Path
 
-from launch.errors import UserError, run_cli
+from launch.cli import run_cli
+from ringtrain.errors import UserError
 
 SSH_ANSWER_SECONDS = 5.0
 _LOCAL = {"localhost", "127.0.0.1", "::1", socket.gethostname()}

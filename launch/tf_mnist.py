@@ -1,15 +1,15 @@
 """``horovodrun -np 4 python -m launch.tf_mnist``: the TensorFlow/Keras 3 reference job."""
 
-from launch.errors import run_cli
+from launch.cli import run_cli
 
 
 def main(argv=None) -> int:
     from launch import cli
 
     args = cli.parse("tf", argv)  # flags are checked before the framework is imported
-    from launch.job import main_with
+    from launch import dispatch
 
-    return main_with("tf", args)
+    return dispatch.run("tf", args)
 
 
 if __name__ == "__main__":

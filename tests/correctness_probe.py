@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from launch import cli  # noqa: E402
-from launch.errors import launcher_rank  # noqa: E402
-from launch.frameworks import import_trainer  # noqa: E402
+from launch.dispatch import import_trainer  # noqa: E402
+from ringtrain.errors import launcher_rank  # noqa: E402
 
 
 def main(framework: str, plan_path: str) -> int:

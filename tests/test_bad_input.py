@@ -9,7 +9,7 @@ import pytest
 from conftest import BIN, one_error_line, requires_horovod, run, train
 from test_mnist import SHARED
 
-from launch import mnist
+from ringtrain.data import mnist
 
 SMALL = ["--train-samples", "256", "--test-samples", "100", "--epochs", "1", "--no-progress"]
 

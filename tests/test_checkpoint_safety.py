@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import metrics, mounted_tmpfs, one_error_line, requires_horovod, run
 
-from launch import checkpoint
+from ringtrain.output import checkpoint
 
 pytestmark = requires_horovod
 MODULES = {"torch": "launch.torch_mnist", "tf": "launch.tf_mnist"}

@@ -296,8 +296,8 @@ def test_elastic_counts_steps_and_runs_the_lr_clock_like_the_fixed_trainers(n, k
     """The pure part of the test above, for more shapes: per epoch the elastic loop runs
     ``optimizer_steps`` steps, and its sample-count clock equals the fixed trainers' step / steps
     bit for bit at every step."""
-    from launch.elastic import epoch_progress, epoch_steps
-    from launch.sharding import optimizer_steps, remaining_shard
+    from ringtrain.data.sharding import optimizer_steps, remaining_shard
+    from ringtrain.training.elastic import epoch_progress, epoch_steps
 
     size, batch = 2, 32
     steps = optimizer_steps(n, size, batch, k, max_steps)

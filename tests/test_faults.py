@@ -34,7 +34,7 @@ import psutil
 import pytest
 from conftest import BIN, REPO, launch_cmd, mounted_tmpfs, requires_horovod
 
-from launch import checkpoint
+from ringtrain.output import checkpoint
 
 pytestmark = requires_horovod
 
@@ -120,7 +120,8 @@ class Job:
         found = []
         for proc in psutil.process_iter(["cmdline"]):
             cmd = proc.info["cmdline"] or []
-            if "launch.guardian" in cmd and int(cmd[cmd.index("launch.guardian") + 1]) in self.rank_pids:
+            module = "ringtrain.faults.guardian"
+            if module in cmd and int(cmd[cmd.index(module) + 1]) in self.rank_pids:
                 found.append(proc)
         return found
 
@@ -639,7 +640,7 @@ def test_horovodrun_traceback_becomes_one_line():
 def test_heartbeats_name_the_silent_rank_and_rank_0_decides():
     """Two watchdogs exchange real UDP heartbeats through the start-up records; when rank 1 stops
     sending, rank 0's verdict names it, and rank 1, hearing rank 0, leaves the verdict to it."""
-    from launch.watchdog import Watchdog
+    from ringtrain.faults.watchdog import Watchdog
 
     dogs = [Watchdog(4, r, 2, "gloo", elastic=False) for r in range(2)]
     records, ready = [None, None], threading.Barrier(2)
@@ -673,7 +674,7 @@ def test_heartbeats_name_the_silent_rank_and_rank_0_decides():
 def test_only_a_training_step_ends_the_start_up_grace(monkeypatch):
     """Start-up collectives (data check, broadcast) keep the clock fresh but leave the grace for
     the first step, which traces the model; after one step the plain timeout applies."""
-    from launch import watchdog
+    from ringtrain.faults import watchdog
 
     dog = watchdog.Watchdog(4, 0, 1, "gloo", elastic=False)
     monkeypatch.setattr(watchdog, "_dog", dog)
@@ -689,7 +690,7 @@ def test_an_elastic_worker_waits_for_gloos_timeout_before_it_leaves(monkeypatch)
     """An elastic worker whose peer was cut off sits in a collective until Gloo's timeout
     releases it and the job re-forms; leaving at --stall-timeout + 30 s (10 + 30 < 30 + 30 here)
     would fail a job that was about to recover."""
-    from launch import watchdog
+    from ringtrain.faults import watchdog
 
     monkeypatch.setenv("HOROVOD_GLOO_TIMEOUT_SECONDS", "30")
     dog = watchdog.Watchdog(10, 0, 2, "gloo", elastic=True)
@@ -705,7 +706,7 @@ def test_an_elastic_worker_waits_for_gloos_timeout_before_it_leaves(monkeypatch)
 
 GUARDED = """
 import os, sys, time
-from launch.watchdog import Watchdog
+from ringtrain.faults.watchdog import Watchdog
 dog = Watchdog(2, 1, 2, "gloo", elastic=True)
 dog.start_guardian()
 print(dog.guard.pid, flush=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, one_error_line, requires_horovod, run
 
-from launch.frameworks import ANY_HOROVOD, horovod_build_problem
+from launch.dispatch import ANY_HOROVOD, horovod_build_problem
 
 PATCH = REPO / ".ci" / "horovod-0.28.1.patch"
 

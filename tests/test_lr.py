@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from launch.lr import lr_at, scaled_lr
+from ringtrain.lr import lr_at, scaled_lr
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])

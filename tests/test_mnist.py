@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch import mnist
-from launch.errors import UserError
+from ringtrain.data import mnist
+from ringtrain.errors import UserError
 
 # The real files, found the way the trainers find them ($MNIST_DIR, then ../shared/data/mnist).
 SHARED = mnist.resolve_data_dir(None)

@@ -14,8 +14,8 @@ import pytest
 from conftest import BIN, REPO, SMALL, metrics, one_error_line, requires_horovod, run, train
 from test_tensorboard import read_events, scalars
 
-from launch.errors import UserError
-from launch.tensorboard import EPOCH_TAGS, STEP_LOSS, STEP_LR
+from ringtrain.errors import UserError
+from ringtrain.output.tensorboard import EPOCH_TAGS, STEP_LOSS, STEP_LR
 
 # A user's package, as README shows it: builders import their framework themselves, so the module
 # imports in a process of either framework.

@@ -145,7 +145,7 @@ def wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 120)
 def assert_checkpoints_load(ckpt: Path, framework: str) -> list[int]:
     """No temporary file is left, and every checkpoint in the folder passes the trainer's own
     reader (archive checks included); returns their epochs."""
-    from launch import checkpoint
+    from ringtrain.output import checkpoint
 
     assert not list(ckpt.glob(".*")), f"half-written files left: {list(ckpt.glob('.*'))}"
     epochs = []
@@ -211,7 +211,8 @@ def test_sigterm_during_a_save_lets_it_finish(tmp_path):
     target = tmp_path / "ckpt-epoch0001.pt"
     code = textwrap.dedent(f"""
         import os, signal, time
-        from launch import report, termination
+        from ringtrain.output import summary as report
+        from ringtrain.faults import termination
         termination.install()
         with termination.saving():
             os.kill(os.getpid(), signal.SIGTERM)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from launch import runtime
-from launch.errors import UserError
+from ringtrain import runtime
+from ringtrain.errors import UserError
 
 
 def test_mpi_yields_when_ranks_fill_the_cores(monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from launch.sharding import epoch_permutation, eval_indices, shard_indices, steps_per_epoch
+from ringtrain.data.sharding import epoch_permutation, eval_indices, shard_indices, steps_per_epoch
 
 
 @pytest.mark.parametrize("world", range(1, 9))
@@ -54,8 +54,8 @@ def test_rejects_impossible_worlds(rank, world, n):
 
 
 def test_optimizer_steps_groups_and_caps():
-    from launch.errors import UserError
-    from launch.sharding import optimizer_steps
+    from ringtrain.data.sharding import optimizer_steps
+    from ringtrain.errors import UserError
 
     assert optimizer_steps(1000, 2, 32, 1) == 16  # 500 per rank -> 16 batches (last partial)
     assert optimizer_steps(1000, 2, 32, 3) == 5  # 16 batches in groups of 3, remainder dropped
@@ -68,7 +68,7 @@ def test_optimizer_steps_groups_and_caps():
 def test_resharding_mid_epoch_keeps_the_epoch_order(before, after):
     """Elastic resize: what ranks consumed before plus what the new world gets is one prefix of the
     epoch order, with nothing skipped or seen twice."""
-    from launch.sharding import remaining_shard
+    from ringtrain.data.sharding import remaining_shard
 
     n, batch, steps_done, seed, epoch = 997, 8, 5, 3, 2
     order = epoch_permutation(n, seed, epoch)
@@ -85,7 +85,7 @@ def test_resharding_mid_epoch_keeps_the_epoch_order(before, after):
 
 
 def test_remaining_shard_from_zero_is_the_plain_shard():
-    from launch.sharding import remaining_shard
+    from ringtrain.data.sharding import remaining_shard
 
     for r in range(3):
         np.testing.assert_array_equal(remaining_shard(100, 0, r, 3, 1, 4), shard_indices(100, r, 3, 1, 4))

@@ -21,7 +21,7 @@ import psutil
 import pytest
 from conftest import REPO, metrics, requires_horovod, run
 
-from launch.mnist import resolve_data_dir
+from ringtrain.data.mnist import resolve_data_dir
 
 pytestmark = requires_horovod
 SLURM = REPO / ".ci" / "slurm"

@@ -13,7 +13,7 @@ import sys
 import pytest
 from conftest import REPO, run
 
-PACKAGES = ("launch", "torch_models", "tf_models")
+PACKAGES = ("ringtrain", "launch", "torch_models", "tf_models")
 
 
 def module_name(path) -> str:
@@ -23,7 +23,7 @@ def module_name(path) -> str:
 
 def first_party_imports() -> dict[str, set[str]]:
     """module -> the first-party modules it imports (``from pkg import mod`` names ``pkg.mod``)."""
-    files = {module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).glob("*.py")}
+    files = {module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         deps = set()
@@ -78,19 +78,21 @@ def test_the_cycle_finder_finds_cycles():
 
 def test_no_import_cycles():
     graph = first_party_imports()
-    assert {"launch.job", "torch_models.train", "torch_models.elastic", "tf_models.train",
+    assert {"ringtrain.training.job", "torch_models.train", "torch_models.elastic", "tf_models.train",
             "tf_models.elastic"} <= set(graph)
     assert cycles(graph) == []
 
 
 def test_layers():
-    """``launch`` reaches the trainers only by name (launch/frameworks.py), and each framework's
+    """``launch`` reaches the trainers only by name (launch/dispatch.py), and each framework's
     package leaves the other alone: one framework's Horovod per process."""
     graph = first_party_imports()
     for module, deps in graph.items():
         top = module.split(".")[0]
-        if top == "launch":
-            assert not {d for d in deps if not d.startswith("launch")}, (module, deps)
+        if top == "ringtrain":
+            assert not {d for d in deps if not d.startswith("ringtrain")}, (module, deps)
+        elif top == "launch":
+            assert not {d for d in deps if d.split(".")[0] not in ("launch", "ringtrain")}, (module, deps)
         else:
             other = "tf_models" if top == "torch_models" else "torch_models"
             assert not {d for d in deps if d.startswith(other)}, (module, deps)
@@ -98,7 +100,7 @@ def test_layers():
 
 def test_command_line_checks_import_no_framework():
     """Flags, --model syntax included, are checked before any framework is imported."""
-    code = ("import sys, launch.__main__, launch.torch_mnist, launch.tf_mnist, launch.job; "
+    code = ("import sys, launch.__main__, launch.torch_mnist, launch.tf_mnist, ringtrain.training.job; "
             "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'horovod') if m in sys.modules))")
     proc = run([sys.executable, "-c", code])
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

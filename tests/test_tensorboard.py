@@ -1,4 +1,4 @@
-"""The TensorBoard event writer (``launch/tensorboard.py``), read back by TensorFlow's own event
+"""The TensorBoard event writer (``ringtrain/output/tensorboard.py``), read back by TensorFlow's own event
 reader, which checks the record framing and both CRCs.  The trainers' ``--tensorboard`` output is
 read back the same way in ``tests/test_models.py``, from the runs that train a user's model."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch import tensorboard
+from ringtrain.output import tensorboard
 
 
 def read_events(path: Path) -> list:

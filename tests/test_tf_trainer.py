@@ -16,15 +16,16 @@ MODULE = "launch.tf_mnist"
 # functions that write files raise: a rank other than 0 writing anything fails the job.
 GUARDED_MAIN = textwrap.dedent("""
     import os, sys
-    from launch.errors import launcher_rank, run_cli
+    from launch.cli import run_cli
+    from ringtrain.errors import launcher_rank
     rank = launcher_rank()
     if rank != 0:
-        import launch.checkpoint, launch.report
+        import ringtrain.output.checkpoint, ringtrain.output.summary
         def refuse(path, *args, **kwargs):
             raise AssertionError(f"rank {rank} tried to write {path}")
-        launch.report.atomic_write_bytes = refuse
-        launch.checkpoint.atomic_write_bytes = refuse
-        launch.checkpoint.ensure_writable = refuse
+        ringtrain.output.summary.atomic_write_bytes = refuse
+        ringtrain.output.checkpoint.atomic_write_bytes = refuse
+        ringtrain.output.checkpoint.ensure_writable = refuse
     from launch.tf_mnist import main
     run_cli(lambda: main(sys.argv[1:]))
 """)
@@ -69,8 +70,8 @@ def test_checkpoint_round_trip_and_corrupt_file(tmp_path, capsys):
 
     import keras
 
-    from launch import checkpoint
-    from launch.errors import UserError
+    from ringtrain.errors import UserError
+    from ringtrain.output import checkpoint
     from tf_models import common
     from tf_models.model import build_model
 
@@ -206,7 +207,7 @@ HOROVOD_KERAS_CHECKS = textwrap.dedent("""
     import keras
     import numpy as np
     import tensorflow as tf
-    from launch.report import param_checksum
+    from ringtrain.output.summary import param_checksum
     from tf_models.horovod_keras import DistributedModel, broadcast_variables, loss_sums
     from tf_models.model import build_model
 

@@ -1,6 +1,6 @@
 """TensorFlow/Keras 3 glue shared by the fixed-size trainer (:mod:`tf_models.train`) and the
 elastic one (:mod:`tf_models.elastic`): device set-up, evaluation sums, checkpoint files and the
-collectives :class:`launch.job.Job` issues through ``horovod.tensorflow``.
+collectives :class:`ringtrain.training.job.Job` issues through ``horovod.tensorflow``.
 
 Only ``horovod.tensorflow`` is imported: loading ``horovod.torch`` as well would put a second copy
 of Horovod's native library into the process.
@@ -19,10 +19,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from launch import checkpoint, termination
-from launch.errors import UserError
-from launch.job import EVAL_BATCH, Collectives
-from launch.runtime import threads_per_rank
+from ringtrain.errors import UserError
+from ringtrain.faults import termination
+from ringtrain.output import checkpoint
+from ringtrain.runtime import threads_per_rank
+from ringtrain.training.job import EVAL_BATCH, Collectives
 from tf_models.horovod_keras import allreduce_sums, sparse_logits_loss
 
 CKPT_EXT = "npz"
@@ -36,7 +37,7 @@ def configure_devices(local_rank: int, local_size: int) -> bool:
     """Threads and GPU for this rank; must run before TensorFlow executes its first op.
 
     Intra-op threads are the host's cores split among its ranks (see
-    :func:`launch.runtime.threads_per_rank`); 2 inter-op threads allow a little overlap between
+    :func:`ringtrain.runtime.threads_per_rank`); 2 inter-op threads allow a little overlap between
     independent ops (the input gather, the allreduce) without oversubscribing the cores.  On GPU
     machines each rank sees only its local-rank GPU, with memory growth so it does not grab the
     whole card up front.
@@ -105,7 +106,7 @@ def save_checkpoint(path_dir: str, epoch: int, net: keras.Model, optimizer, mode
                     param_count: int, args: argparse.Namespace) -> None:
     """One ``.npz``: ``model_NNNN`` (weights in model order), ``optimizer_NNNN`` (iteration
     counter, momentum slots), ``rng_NNNN`` (rank 0's dropout seed state) and ``meta``, the JSON
-    of :func:`launch.checkpoint.metadata` plus ``weight_keys``, the names of the weight arrays in
+    of :func:`ringtrain.output.checkpoint.metadata` plus ``weight_keys``, the names of the weight arrays in
     model order (what tools that compare checkpoints across frameworks read)."""
     with termination.saving():
         _save(path_dir, epoch, net, optimizer, model_name, param_count, args)

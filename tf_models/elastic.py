@@ -1,7 +1,7 @@
 """Elastic data-parallel training on TensorFlow/Keras 3: keeps training while workers leave and join.
 
-The epoch loop is shared with PyTorch (:func:`launch.elastic.run_epochs`), and each world's
-bookkeeping with the fixed-size trainer (:class:`launch.job.Job`); this module is the Keras glue:
+The epoch loop is shared with PyTorch (:func:`ringtrain.training.elastic.run_epochs`), and each world's
+bookkeeping with the fixed-size trainer (:class:`ringtrain.training.job.Job`); this module is the Keras glue:
 :class:`tf_models.horovod_keras.ElasticKerasState` for commits, rollbacks and the broadcast to
 newcomers, and :class:`~tf_models.horovod_keras.DistributedModel`'s train step (K micro-batches,
 one allreduce, one update), called directly so that the loop can stop, commit and roll back
@@ -21,12 +21,13 @@ import numpy as np
 import tensorflow as tf
 from horovod.common.elastic import run_fn
 
-from launch import elastic, watchdog
-from launch.dataset import model_inputs
-from launch.job import Job
-from launch.report import Summary
-from launch.runtime import before_init
-from launch.sharding import eval_indices
+from ringtrain.data.dataset import model_inputs
+from ringtrain.data.sharding import eval_indices
+from ringtrain.faults import watchdog
+from ringtrain.output.summary import Summary
+from ringtrain.runtime import before_init
+from ringtrain.training import elastic
+from ringtrain.training.job import Job
 from tf_models import common
 from tf_models.horovod_keras import DistributedModel, ElasticKerasState, peer_failures_roll_back
 from tf_models.model import build

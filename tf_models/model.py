@@ -15,7 +15,7 @@ large, which makes the first steps at the scaled LR noticeably rougher.)
 
 A user's ``package.module:function`` is called as ``function(input_shape=(H, W, C),
 num_classes=N)`` and must return a ``keras.Model`` mapping ``[B, H, W, C]`` to ``[B, N]`` logits
-(see :mod:`launch.models`).
+(see :mod:`ringtrain.model_spec`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import math
 import keras
 import numpy as np
 
-from launch import models
-from launch.errors import UserError
+from ringtrain import model_spec
+from ringtrain.errors import UserError
 
 MNIST_SHAPE = (28, 28, 1)
 
@@ -83,7 +83,7 @@ def build_mlp(dropout: float = 0.5, dtype_policy: str | None = None,
 
 
 def build(spec: str, dataset, dropout: float, dtype_policy: str | None = None) -> keras.Model:
-    """The ``--model spec`` for ``dataset`` (a :class:`launch.dataset.Dataset`), checked: a bad
+    """The ``--model spec`` for ``dataset`` (a :class:`ringtrain.data.dataset.Dataset`), checked: a bad
     spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
     shape, classes = tuple(dataset.input_shape), dataset.num_classes
     if spec == "cnn":
@@ -91,9 +91,9 @@ def build(spec: str, dataset, dropout: float, dtype_policy: str | None = None) -
     elif spec == "mlp":
         model = build_mlp(dropout, dtype_policy, shape, classes)
     else:
-        model = models.call_builder(spec, shape, classes)
+        model = model_spec.call_builder(spec, shape, classes)
         if not isinstance(model, keras.Model):
-            raise models.wrong_type(spec, model, "tf", "keras.Model")
+            raise model_spec.wrong_type(spec, model, "tf", "keras.Model")
     check(spec, model, shape, classes)
     return model
 
@@ -106,8 +106,8 @@ def check(spec: str, model: keras.Model, shape: tuple[int, ...], num_classes: in
         out = model(np.zeros((2, *shape), np.float32), training=False)
     except Exception as err:
         raise UserError(f"--model {spec}: calling the model on a batch of shape {(2, *shape)} "
-                        f"failed: {type(err).__name__}: {models.one_line(err)}") from None
+                        f"failed: {type(err).__name__}: {model_spec.one_line(err)}") from None
     if not hasattr(out, "shape"):
         raise UserError(f"--model {spec}: the model returns a {type(out).__name__}, not a tensor "
                         f"of logits")
-    models.check_output(spec, shape, tuple(out.shape), num_classes)
+    model_spec.check_output(spec, shape, tuple(out.shape), num_classes)

@@ -8,7 +8,7 @@ rank 0's weights and optimizer state to every rank when training begins, and ``m
 the steps.  With ``--backward-passes-per-step K`` fit runs K micro-batch steps of B rows per
 optimizer step (each loss weighted 1/K; the wrapper sums their gradients locally and allreduces
 on the K-th).
-:class:`FitToJob` hands fit's hooks to the shared :class:`launch.job.Job` once per optimizer step
+:class:`FitToJob` hands fit's hooks to the shared :class:`ringtrain.training.job.Job` once per optimizer step
 (the LR before it, progress after it) and once per epoch (metrics, output, checkpoint), on every
 rank in the same order, so every rank issues the same collectives.  Train loss comes from
 :func:`~tf_models.horovod_keras.loss_sums` (float64 sums the Job allreduces, exact over ranks),
@@ -26,13 +26,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from launch import divergence, watchdog
-from launch.dataset import model_inputs
-from launch.job import Job
-from launch.lr import scaled_lr
-from launch.report import Summary
-from launch.runtime import before_init
-from launch.sharding import optimizer_steps, shard_indices
+from ringtrain.data.dataset import model_inputs
+from ringtrain.data.sharding import optimizer_steps, shard_indices
+from ringtrain.faults import watchdog
+from ringtrain.lr import scaled_lr
+from ringtrain.output.summary import Summary
+from ringtrain.runtime import before_init
+from ringtrain.training import divergence
+from ringtrain.training.job import Job
 from tf_models import common
 from tf_models.horovod_keras import loss_sums
 from tf_models.model import build
@@ -101,7 +102,7 @@ def train(args: argparse.Namespace) -> Summary:
 
 
 class FitToJob(keras.callbacks.Callback):
-    """``model.fit``'s hooks, on every rank, handed to the :class:`~launch.job.Job` once per
+    """``model.fit``'s hooks, on every rank, handed to the :class:`~ringtrain.training.job.Job` once per
     optimizer step, i.e. every K-th of fit's micro-batch steps.
 
     Before each optimizer step the optimizer gets the step's LR from :meth:`Job.lr`, the LR rule the

@@ -1,6 +1,6 @@
 """PyTorch glue shared by the fixed-size trainer (:mod:`torch_models.train`) and the elastic one
 (:mod:`torch_models.elastic`): device pinning, tensors, evaluation sums, checkpoint files and the
-collectives :class:`launch.job.Job` issues through ``horovod.torch``."""
+collectives :class:`ringtrain.training.job.Job` issues through ``horovod.torch``."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from launch import checkpoint, termination
-from launch.dataset import Dataset, model_inputs
-from launch.errors import UserError
-from launch.job import EVAL_BATCH, Collectives
-from launch.runtime import threads_per_rank
+from ringtrain.data.dataset import Dataset, model_inputs
+from ringtrain.errors import UserError
+from ringtrain.faults import termination
+from ringtrain.output import checkpoint
+from ringtrain.runtime import threads_per_rank
+from ringtrain.training.job import EVAL_BATCH, Collectives
 
 CKPT_EXT = "pt"
 VERSIONS = {"torch": torch.__version__, "horovod": horovod.__version__}

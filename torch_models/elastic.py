@@ -3,8 +3,8 @@
 Horovod elastic re-runs the wrapped function after every membership change, with the committed
 state (model, optimizer, position in the epoch) restored on the survivors and broadcast to
 newcomers by ``hvd.elastic.TorchState``.  The epoch loop itself is shared with TensorFlow
-(:func:`launch.elastic.run_epochs`), and each world's bookkeeping with the fixed-size trainer
-(:class:`launch.job.Job`); this module is the PyTorch glue.  Nothing here may issue a collective
+(:func:`ringtrain.training.elastic.run_epochs`), and each world's bookkeeping with the fixed-size trainer
+(:class:`ringtrain.training.job.Job`); this module is the PyTorch glue.  Nothing here may issue a collective
 outside the wrapped function: a worker that joins later would wait in it while the others sync.
 """
 
@@ -17,11 +17,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from launch import elastic, watchdog
-from launch.job import Job
-from launch.report import Summary
-from launch.runtime import before_init, threads_per_rank
-from launch.sharding import eval_indices
+from ringtrain.data.sharding import eval_indices
+from ringtrain.faults import watchdog
+from ringtrain.output.summary import Summary
+from ringtrain.runtime import before_init, threads_per_rank
+from ringtrain.training import elastic
+from ringtrain.training.job import Job
 from torch_models import common
 from torch_models.model import build
 

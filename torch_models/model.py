@@ -9,7 +9,7 @@ large enough to pass 99% test accuracy in a few epochs.
 
 A user's ``package.module:function`` is called as ``function(input_shape=(C, H, W),
 num_classes=N)`` and must return a ``torch.nn.Module`` mapping ``[B, C, H, W]`` to ``[B, N]``
-logits (see :mod:`launch.models`).
+logits (see :mod:`ringtrain.model_spec`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launch import models
-from launch.errors import UserError
+from ringtrain import model_spec
+from ringtrain.errors import UserError
 
 MNIST_SHAPE = (1, 28, 28)
 
@@ -65,15 +65,15 @@ BUILTIN = {"cnn": MnistCNN, "mlp": MLP}
 
 
 def build(spec: str, dataset, dropout: float) -> nn.Module:
-    """The ``--model spec`` for ``dataset`` (a :class:`launch.dataset.Dataset`), checked: a bad
+    """The ``--model spec`` for ``dataset`` (a :class:`ringtrain.data.dataset.Dataset`), checked: a bad
     spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
     shape = channels_first(dataset.input_shape)
     if spec in BUILTIN:
         model = BUILTIN[spec](dropout, shape, dataset.num_classes)
     else:
-        model = models.call_builder(spec, shape, dataset.num_classes)
+        model = model_spec.call_builder(spec, shape, dataset.num_classes)
         if not isinstance(model, nn.Module):
-            raise models.wrong_type(spec, model, "torch", "torch.nn.Module")
+            raise model_spec.wrong_type(spec, model, "torch", "torch.nn.Module")
     check(spec, model, shape, dataset.num_classes)
     return model
 
@@ -89,10 +89,10 @@ def check(spec: str, model: nn.Module, shape: tuple[int, ...], num_classes: int)
             out = model(torch.zeros(2, *shape))
     except Exception as err:
         raise UserError(f"--model {spec}: a forward pass on a batch of shape {(2, *shape)} failed: "
-                        f"{type(err).__name__}: {models.one_line(err)}") from None
+                        f"{type(err).__name__}: {model_spec.one_line(err)}") from None
     finally:
         model.train(was_training)
     if not isinstance(out, torch.Tensor):
         raise UserError(f"--model {spec} returns a {type(out).__name__} from forward(), not a "
                         f"tensor of logits")
-    models.check_output(spec, shape, tuple(out.shape), num_classes)
+    model_spec.check_output(spec, shape, tuple(out.shape), num_classes)

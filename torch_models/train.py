@@ -3,7 +3,7 @@
 The Horovod part is the usual handful of lines, each marked ``# Horovod:`` below: initialise, pin
 the rank to its GPU and cores, shard the data, scale the LR, wrap the optimizer, broadcast rank 0's
 state.  Everything else is shared with the TensorFlow trainer: the flags (:mod:`launch.cli`), the
-run's skeleton (:class:`launch.job.Job`: data, resume, metrics, output), sharding and the LR rule.
+run's skeleton (:class:`ringtrain.training.job.Job`: data, resume, metrics, output), sharding and the LR rule.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
-from launch import divergence, watchdog
-from launch.job import Job
-from launch.lr import scaled_lr
-from launch.report import Summary
-from launch.runtime import before_init
-from launch.sharding import optimizer_steps, shard_indices
+from ringtrain.data.sharding import optimizer_steps, shard_indices
+from ringtrain.faults import watchdog
+from ringtrain.lr import scaled_lr
+from ringtrain.output.summary import Summary
+from ringtrain.runtime import before_init
+from ringtrain.training import divergence
+from ringtrain.training.job import Job
 from torch_models import common
 from torch_models.model import build
 

@@ -1,11 +1,12 @@
 """The guardian: a tiny process per rank that ends the rank when the rank's whole process is frozen.
 
-Started by :mod:`launch.watchdog` as ``python -m launch.guardian PID LIMIT_SECONDS HOST`` in its own
-session.  The rank's watchdog thread writes a line to its stdin every second; a feed quiet for
-``LIMIT_SECONDS`` means no thread of the rank runs (SIGSTOP, a swap storm, a hung node), and the
-guardian SIGKILLs it with one line.  After its rank called ``MPI_Abort`` (an ``abort`` line), it
-also sees that the MPI launcher ends (see :func:`_end_stuck_launcher`).  Standard library only:
-it must start in milliseconds and cost a few MB.
+Started by :mod:`ringtrain.faults.watchdog` as ``python -m ringtrain.faults.guardian PID
+LIMIT_SECONDS HOST`` in its own session. The rank's watchdog thread writes a line to its stdin
+every second; a feed quiet for ``LIMIT_SECONDS`` means no thread of the rank runs (SIGSTOP, a swap
+storm, a hung node), and the guardian SIGKILLs it with one line. After its rank called
+``MPI_Abort`` (an ``abort`` line), it also sees that the MPI launcher ends (see
+:func:`_end_stuck_launcher`). Standard library only: it must start in milliseconds and cost a few
+MB.
 """
 
 from __future__ import annotations
@@ -135,4 +136,4 @@ def guard(pid: int, limit: float, host: str) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 4:
         sys.exit(guard(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]))
-    sys.exit("usage: python -m launch.guardian PID LIMIT_SECONDS HOST (started by the trainers)")
+    sys.exit("usage: python -m ringtrain.faults.guardian PID LIMIT_SECONDS HOST (started by the trainers)")

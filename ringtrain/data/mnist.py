@@ -1,6 +1,6 @@
 """MNIST from the four canonical IDX ``.gz`` files, shared by both frameworks.
 
-:data:`DATASET` is MNIST behind the dataset seam (:mod:`launch.dataset`); nothing else in
+:data:`DATASET` is MNIST behind the dataset seam (:mod:`ringtrain.data.dataset`); nothing else in
 ringtrain imports this module's constants.
 
 Both trainers read the same bytes through this module so that, for the same seed and epoch, they
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from launch.errors import UserError
+from ringtrain.errors import UserError
 
 FILES = {
     "train_images": ("train-images-idx3-ubyte.gz", "f68b3c2dcbeaaa9fbdd348bbdeb94873"),
@@ -43,7 +43,7 @@ TRAIN_SIZE, TEST_SIZE = 60_000, 10_000
 # Normalisation constants everyone uses for MNIST (pytorch/examples); both frameworks apply them.
 PIXEL_MEAN, PIXEL_STD = 0.1307, 0.3081
 
-_REPO_SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+_REPO_SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "mnist"
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def normalize(images: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class MnistDataset:
-    """MNIST behind the :class:`launch.dataset.Dataset` interface (the trainers' only view of it)."""
+    """MNIST behind the :class:`ringtrain.data.dataset.Dataset` interface (the trainers' only view of it)."""
 
     name: str = "mnist"
     input_shape: tuple[int, int, int] = (28, 28, 1)

@@ -4,7 +4,8 @@ A rank that is frozen (SIGSTOP, a swap storm, a hung node) or cut off from its p
 fail: its peers wait in their next collective forever.  Horovod's stall check cannot help under
 MPI, because its coordinator thread is itself blocked in MPI waiting for the frozen rank (measured:
 ``kill -STOP`` of rank 1 of a ``--stall-timeout 30`` job, still running 150 s later).  Three
-pieces (the third in :mod:`launch.guardian`) end such a job within ``--stall-timeout`` seconds and say why:
+pieces (the third in :mod:`ringtrain.faults.guardian`) end such a job within ``--stall-timeout``
+seconds and say why:
 
 * **Progress clock** (every rank, a daemon thread).  The trainers call :func:`progress` after each
   optimizer step and each epoch's evaluation (a completed collective).  No progress for
@@ -23,8 +24,8 @@ pieces (the third in :mod:`launch.guardian`) end such a job within ``--stall-tim
   random job token that every datagram must carry.  Rank 0 owns the user-facing line; when rank
   0 itself is silent, the rank that notices says so instead, and any other rank steps in only
   :data:`GRACE` seconds after rank 0 should have.
-* **Guardian** (every rank, a tiny child process running :mod:`launch.guardian`).  The watchdog thread
-  feeds it a byte every tick; a rank whose thread has not run for its limit is frozen as a
+* **Guardian** (every rank, a tiny child process running :mod:`ringtrain.faults.guardian`).  The
+  watchdog thread feeds it a byte every tick; a rank whose thread has not run for its limit is frozen as a
   whole, and the guardian SIGKILLs it.  That is what lets a launcher notice a frozen worker:
   an elastic job (where nothing else can end a stopped worker, and Horovod's driver waits for
   every worker to report before it re-forms) then carries on without it, and a fixed job whose
@@ -57,9 +58,9 @@ import sys
 import threading
 import time
 
-from launch.guardian import GRACE
-from launch.guardian import now as _now
-from launch.guardian import say as _say
+from ringtrain.faults.guardian import GRACE
+from ringtrain.faults.guardian import now as _now
+from ringtrain.faults.guardian import say as _say
 
 STALL_EXIT_CODE = 3
 ELASTIC_GRACE = 30.0  # s an elastic worker allows its peers for a re-form beyond the timeout
@@ -167,7 +168,7 @@ class Watchdog:
         limit = self.timeout + (0 if self.elastic else GUARD_FIXED_EXTRA)
         try:
             self.guard = subprocess.Popen(
-                [sys.executable, "-m", "launch.guardian", str(os.getpid()),
+                [sys.executable, "-m", "ringtrain.faults.guardian", str(os.getpid()),
                  f"{limit:g}", local_host()],
                 # its own session: a launcher that kills the rank's process group must not take
                 # the guardian with it before it has seen the launcher end (see guard())
@@ -359,7 +360,7 @@ def start(stall_timeout: float, hvd, elastic: bool = False) -> Watchdog | None:
     global _dog
     if stall_timeout <= 0 or _dog is not None or (hvd.size() == 1 and not elastic):
         return _dog  # a single process has no peer to wait for
-    from launch.runtime import controller
+    from ringtrain.runtime import controller
 
     dog = Watchdog(stall_timeout, hvd.rank(), hvd.size(), controller(hvd), elastic)
     if elastic:

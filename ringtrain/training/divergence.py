@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from launch.errors import UserError
+from ringtrain.errors import UserError
 
 
 def stop(gather: Callable[[object, str], list], epoch: int, step: int,

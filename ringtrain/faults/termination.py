@@ -7,7 +7,7 @@ terminated first.  So the handler does nothing itself: ``signal.set_wakeup_fd`` 
 which ends the process at once, or as soon as the save in progress (:func:`saving`) is complete,
 with ``os._exit``: nothing is half-written (saves are atomic, and none is cut), and the launcher
 sees the rank end and ends the job.  Ctrl-C (SIGINT) stays a ``KeyboardInterrupt``, which abandons
-a save in progress and removes its temporary file (:func:`launch.report.atomic_write_bytes`).
+a save in progress and removes its temporary file (:func:`ringtrain.output.summary.atomic_write_bytes`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from launch.errors import launcher_rank
+from ringtrain.errors import launcher_rank
 
 EXIT_CODE = 128 + signal.SIGTERM
 _save_lock = threading.Lock()  # held by the main thread while it saves, taken for good on SIGTERM

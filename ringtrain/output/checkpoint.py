@@ -3,7 +3,7 @@
 The payload is framework-specific (the trainers serialise it), but every checkpoint carries the
 same metadata, so a checkpoint from another model, framework or format version is refused with one
 line rather than loaded into the wrong tensors.  Files are written atomically (see
-:func:`launch.report.atomic_write_bytes`), so a kill mid-save leaves the previous one intact.
+:func:`ringtrain.output.summary.atomic_write_bytes`), so a kill mid-save leaves the previous one intact.
 
 Nothing in a checkpoint runs.  Checkpoint folders are shared (NFS, object stores), so whoever can
 write one could otherwise run code as the training user on rank 0: PyTorch's files are read with
@@ -27,8 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launch.errors import UserError
-from launch.report import atomic_write_bytes
+from ringtrain.errors import UserError
+from ringtrain.output.summary import atomic_write_bytes
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-epoch(\d{4,})\.(\w+)$")

@@ -3,7 +3,7 @@
 A trainer (``torch_models/train.py``, ``tf_models/train.py`` and their elastic twins) does the
 framework's part: ``hvd.init()``, pinning, building the model, wrapping the optimizer, the
 broadcast and the train step.  A :class:`Job` does the rest, the same way for both: start-up checks,
-loading the data, the resume broadcast, the banner and the :class:`~launch.report.Summary`, exact
+loading the data, the resume broadcast, the banner and the :class:`~ringtrain.output.summary.Summary`, exact
 epoch metrics, the epoch line, TensorBoard, checkpoints on rank 0, and the end of the run.
 
 Two places mark progress, for anything that needs to know the job is moving:
@@ -12,8 +12,6 @@ Two places mark progress, for anything that needs to know the job is moving:
   ends there, on every rank, after its gradient allreduce has completed;
 * :meth:`Job._collective`: every collective the skeleton issues (the data verdict, the resume
   broadcast, loss and metric sums, the final checksum gather) passes through it.
-
-:func:`main_with` dispatches a parsed command line to the framework's fixed or elastic trainer.
 """
 
 from __future__ import annotations
@@ -25,13 +23,16 @@ from typing import Any
 
 import numpy as np
 
-from launch import checkpoint, cli, dataset, elastic, models, termination, watchdog
-from launch.errors import UserError
-from launch.frameworks import import_trainer
-from launch.lr import lr_at
-from launch.report import EpochRecord, Reporter, Summary, param_checksum
-from launch.runtime import controller
-from launch.tensorboard import EPOCH_TAGS, STEP_LOSS, STEP_LR, EventWriter
+from ringtrain import flags, model_spec
+from ringtrain.data import dataset
+from ringtrain.errors import UserError
+from ringtrain.faults import watchdog
+from ringtrain.lr import lr_at
+from ringtrain.output import checkpoint
+from ringtrain.output.summary import EpochRecord, Reporter, Summary, param_checksum
+from ringtrain.output.tensorboard import EPOCH_TAGS, STEP_LOSS, STEP_LR, EventWriter
+from ringtrain.runtime import controller
+from ringtrain.training import elastic
 
 EVAL_BATCH = 1000  # test images per forward pass when evaluating, in both frameworks
 
@@ -51,7 +52,7 @@ class Job:
     """One run (or, in an elastic job, one world) of a trainer, as seen from rank ``hvd.rank()``.
 
     Create it right after ``hvd.init()`` (and the framework's device set-up): it checks what needs
-    the world size (:func:`launch.cli.validate_world`, unless ``elastic``) on every rank before
+    the world size (:func:`ringtrain.flags.validate_world`, unless ``elastic``) on every rank before
     any collective, so an impossible setting ends every rank with the same line.
     """
 
@@ -62,9 +63,9 @@ class Job:
         self.controller = controller(hvd)
         self.comm = collectives
         self.dataset = dataset.get()
-        self.model_name = models.model_name(args.model, self.dataset.name)
+        self.model_name = model_spec.model_name(args.model, self.dataset.name)
         if not elastic:
-            cli.validate_world(args, self.size)
+            flags.validate_world(args, self.size)
         if args.amp and not use_gpu:
             raise UserError("--amp needs a CUDA GPU; drop the flag on CPU machines")
         self.report = Reporter(self.rank == 0, progress=not args.no_progress)
@@ -172,7 +173,7 @@ class Job:
     # --- training ----------------------------------------------------------------------------
 
     def lr(self, epoch: int, step: int, steps: int, target_lr: float) -> float:
-        """The LR rule (:func:`launch.lr.lr_at`) for step ``step`` (from 0) of ``steps`` in
+        """The LR rule (:func:`ringtrain.lr.lr_at`) for step ``step`` (from 0) of ``steps`` in
         ``epoch`` (from 1): the one implementation both fixed trainers apply per step."""
         a = self.args
         return lr_at(epoch - 1 + step / steps, a.base_lr, target_lr, a.warmup_epochs, a.epochs,
@@ -226,7 +227,7 @@ class Job:
                       params: Callable[[], Iterable[np.ndarray]],
                       weights_finite: Callable[[], bool]) -> Summary:
         """One world of an elastic job, from ``state``'s committed position to the end: the shared
-        loop (:func:`launch.elastic.run_epochs`) with the framework's ``step`` (this rank's
+        loop (:func:`ringtrain.training.elastic.run_epochs`) with the framework's ``step`` (this rank's
         indices, LR -> its loss sum and count), ``eval_sums`` and rank 0's checkpoint ``save``."""
         glue = elastic.Glue(rank=self.rank, size=self.size, step=step, eval_sums=eval_sums,
                             save_checkpoint=lambda epoch: self.args.checkpoint_dir and save(epoch),
@@ -266,11 +267,3 @@ class Job:
                            train_seconds=self.train_seconds, images_seen=self.images_seen,
                            params=params)
 
-
-def main_with(framework: str, args: argparse.Namespace) -> int:
-    """Run a validated command line: the framework's elastic trainer under ``--elastic``, else
-    its fixed-size one."""
-    elastic.check_launcher(args.elastic)
-    termination.install()  # SIGTERM: finish a save under way, then exit 143 with one line
-    import_trainer(framework, elastic=args.elastic).train(args)
-    return 0

@@ -8,7 +8,7 @@ import re
 import socket
 import struct
 
-from launch.errors import UserError
+from ringtrain.errors import UserError
 
 
 def available_cores() -> int:

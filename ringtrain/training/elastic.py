@@ -3,7 +3,7 @@
 Horovod's elastic mode (``horovodrun --min-np/--max-np --host-discovery-script``) restarts the
 training function whenever workers leave or join.  The trainer must then know three things that a
 fixed job gets for free: that it really runs under an elastic launcher, where in the epoch the job
-is (one integer, see :func:`launch.sharding.remaining_shard`), and the LR for the new world size.
+is (one integer, see :func:`ringtrain.data.sharding.remaining_shard`), and the LR for the new world size.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from launch import dataset, divergence, watchdog
-from launch.errors import UserError
-from launch.lr import lr_at, scaled_lr
-from launch.report import EpochRecord
-from launch.sharding import remaining_shard, steps_per_epoch
+from ringtrain.data import dataset
+from ringtrain.data.sharding import remaining_shard, steps_per_epoch
+from ringtrain.errors import UserError
+from ringtrain.faults import watchdog
+from ringtrain.lr import lr_at, scaled_lr
+from ringtrain.output.summary import EpochRecord
+from ringtrain.training import divergence
 
 LAUNCH_HINT = ("horovodrun -np 2 --min-np 1 --max-np 4 --host-discovery-script "
                "launch/discover_hosts.sh python -m launch.torch_mnist --elastic")
@@ -58,7 +60,7 @@ def local_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 def epoch_steps(num_samples: int, world_size: int, batch_size: int, backward_passes: int,
                 max_steps: int | None = None) -> int:
     """Optimizer steps per rank over ``num_samples`` samples: the fixed trainers' rule
-    (:func:`launch.sharding.optimizer_steps`: batches, the last one possibly partial, grouped by
+    (:func:`ringtrain.data.sharding.optimizer_steps`: batches, the last one possibly partial, grouped by
     ``backward_passes``, trailing batches that fill no group dropped), without its refusal of too
     little data, which mid-epoch only means that no step is left."""
     steps = steps_per_epoch(num_samples, world_size, batch_size) // backward_passes
@@ -107,7 +109,7 @@ def run_epochs(state, args, n_train: int, glue: Glue, job) -> tuple[float, float
 
     Called again after every membership change, with ``state`` restored to its last commit and
     synced from rank 0: everything that depends on the world size is derived here, from
-    ``glue.size``, never carried over.  ``job`` is this world's :class:`launch.job.Job`: steps,
+    ``glue.size``, never carried over.  ``job`` is this world's :class:`ringtrain.training.job.Job`: steps,
     sums, evaluation and the epoch's report go through it, as in a fixed-size run.
     """
     k, batch = args.backward_passes_per_step, args.batch_size
@@ -168,7 +170,7 @@ def run_epochs(state, args, n_train: int, glue: Glue, job) -> tuple[float, float
 
 
 def summary_fields(state, args, glue: Glue) -> dict[str, Any]:
-    """The elastic parts of the run's :class:`launch.report.Summary`."""
+    """The elastic parts of the run's :class:`ringtrain.output.summary.Summary`."""
     k = args.backward_passes_per_step
     return {"world_size": glue.size, "batch_size_per_rank": args.batch_size,
             "global_batch_size": args.batch_size * glue.size * k, "base_lr": args.base_lr,

@@ -1,12 +1,12 @@
 """The dataset seam: what a trainer needs to know about its data, and nothing MNIST-specific.
 
-A dataset is an object with the attributes and method of :class:`Dataset`; :mod:`launch.mnist`
+A dataset is an object with the attributes and method of :class:`Dataset`; :mod:`ringtrain.data.mnist`
 provides the one ringtrain ships.  Trainers, the CLI checks and the model builders read the input
 shape, the class count and the training-set size from here, never from a dataset's own module,
 so a second dataset is one new module plus one line in :data:`DATASETS`.
 
 Each rank takes its view of the arrays with :func:`rank_view`; loading them in a job (rank 0 alone
-may download, every rank learns its verdict) is :meth:`launch.job.Job.load_data`.
+may download, every rank learns its verdict) is :meth:`ringtrain.training.job.Job.load_data`.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Protocol
 
 import numpy as np
 
-from launch.errors import UserError
-from launch.sharding import eval_indices
+from ringtrain.data.sharding import eval_indices
+from ringtrain.errors import UserError
 
 # name -> module whose ``DATASET`` attribute implements the interface (imported on first use).
-DATASETS = {"mnist": "launch.mnist"}
+DATASETS = {"mnist": "ringtrain.data.mnist"}
 DEFAULT = "mnist"
 
 

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from launch.errors import UserError
+from ringtrain.errors import UserError
 
 BUILTIN = ("cnn", "mlp")
 _USER_SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")

@@ -1,7 +1,7 @@
 """What the user sees and keeps: progress, epoch lines, the JSON summary.  Rank 0 only.
 
 One display for both frameworks and both loops (fixed and elastic): :class:`Reporter`, driven by
-:class:`launch.job.Job`.
+:class:`ringtrain.training.job.Job`.
 
 Other ranks construct a silent :class:`Reporter` so trainer code never branches on rank for
 output; N ranks printing the same progress bar into one terminal is noise, not information.

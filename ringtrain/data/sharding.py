@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from launch.errors import UserError
+from ringtrain.errors import UserError
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:

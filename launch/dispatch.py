@@ -1,11 +1,15 @@
-"""Importing exactly one framework's trainer, with one clear line when that is impossible.
+"""The dispatcher: a checked command line to the framework's fixed or elastic trainer.
 
 Only one framework's Horovod module may be loaded per process (two copies of Horovod's native
-library otherwise), so the launcher imports lazily, by name.
+library otherwise), so the trainer is imported lazily, by name, after checking that the framework,
+Horovod's extension for it, and Horovod's build (the patch it was built from) are what this
+checkout needs; each problem is one clear line.  The library (``ringtrain``) never imports this
+module: commands call the library, not the other way round.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import importlib
@@ -15,8 +19,10 @@ import re
 from pathlib import Path
 from types import ModuleType
 
-from launch.errors import UserError
 from launch.native_logs import min_level, quiet_native_logs
+from ringtrain.errors import UserError
+from ringtrain.faults import termination
+from ringtrain.training.elastic import check_launcher
 
 # framework -> (fixed-size trainer, elastic trainer); each module's ``train(args)`` runs a job.
 TRAINERS = {"torch": ("torch_models.train", "torch_models.elastic"),
@@ -82,3 +88,12 @@ def import_trainer(framework: str, elastic: bool = False) -> ModuleType:
             raise UserError(f"{horovod_pkg} cannot be imported ({err}); Horovod was not built with "
                             f"{framework_pkg} support: {_INSTALL_HINT}") from None
         return importlib.import_module(TRAINERS[framework][1 if elastic else 0])
+
+
+def run(framework: str, args: argparse.Namespace) -> int:
+    """Run a validated command line: the framework's elastic trainer under ``--elastic``, else
+    its fixed-size one."""
+    check_launcher(args.elastic)
+    termination.install()  # SIGTERM: finish a save under way, then exit 143 with one line
+    import_trainer(framework, elastic=args.elastic).train(args)
+    return 0
