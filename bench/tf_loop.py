@@ -30,7 +30,7 @@ import tensorflow as tf  # noqa: E402
 
 from bench.loopcommon import StepClock, mnist_shard, parser, synthetic_batch, write_result  # noqa: E402
 from ringtrain.runtime import configure_mpi_progress, threads_per_rank  # noqa: E402
-from tf_models.model import build_model  # noqa: E402
+from tf_models.model import build_cnn  # noqa: E402
 
 
 def dataset(args, rank: int, size: int, global_batch: int) -> tf.data.Dataset:
@@ -73,7 +73,7 @@ def main() -> None:
         ds = dataset(args, rank, size, args.batch_size)
         scope = tf.name_scope("bench")
     with scope:
-        net = build_model()
+        net = build_cnn()
         optimizer = keras.optimizers.SGD(args.base_lr * size, momentum=0.9)
         optimizer.build(net.trainable_variables)
     if hvd is not None:

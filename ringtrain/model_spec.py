@@ -84,6 +84,20 @@ def check_output(spec: str, input_shape: tuple[int, ...], output_shape: tuple[in
                         f"class")
 
 
+def check_forward(spec: str, shape: tuple[int, ...], num_classes: int,
+                  forward: Callable[[], Any]) -> None:
+    """Run the framework's ``forward`` (the model on two zero images, in inference mode): it must
+    map ``[2, *shape]`` to logits ``[2, num_classes]``; anything else is one line."""
+    try:
+        out = forward()
+    except Exception as err:
+        raise UserError(f"--model {spec}: a forward pass on a batch of shape {(2, *shape)} failed: "
+                        f"{type(err).__name__}: {one_line(err)}") from None
+    if not hasattr(out, "shape"):
+        raise UserError(f"--model {spec} returns a {type(out).__name__}, not a tensor of logits")
+    check_output(spec, shape, tuple(out.shape), num_classes)
+
+
 def one_line(err: BaseException) -> str:
     text = " ".join(str(err).split())
     return text if len(text) <= 200 else text[:197] + "..."

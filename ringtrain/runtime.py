@@ -148,6 +148,13 @@ def check_gloo_address(env: dict[str, str] | None = None) -> None:
                         f"interface ('ip -brief addr' lists them)") from None
 
 
+def check_gpu_count(local_rank: int, local_size: int, gpus: int) -> None:
+    """One GPU per rank: NCCL refuses two ranks on one GPU."""
+    if local_rank >= gpus:
+        raise UserError(f"{local_size} ranks on this host but only {gpus} GPU(s); run at most "
+                        f"{gpus} processes per host")
+
+
 def before_init(stall_timeout: float) -> None:
     """Everything that must be in the environment before ``hvd.init()``."""
     check_gloo_address()

@@ -17,7 +17,7 @@ import psutil
 import pytest
 from conftest import REPO, launch_cmd, metrics, requires_horovod, run, train
 
-from ringtrain.output.summary import atomic_write_bytes
+from ringtrain.output.files import atomic_write_bytes
 
 pytestmark = requires_horovod
 MODULE = "launch.torch_mnist"

@@ -210,14 +210,17 @@ def test_sigterm_during_a_save_lets_it_finish(tmp_path):
     save runs; the file is written whole, then the process exits 143 and runs nothing after."""
     target = tmp_path / "ckpt-epoch0001.pt"
     code = textwrap.dedent(f"""
-        import os, signal, time
-        from ringtrain.output import summary as report
+        import argparse, os, signal, time
         from ringtrain.faults import termination
+        from ringtrain.output import checkpoint, files
         termination.install()
-        with termination.saving():
+
+        def save(epoch):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1.0)  # the signal is pending, its thread waits for the save
-            report.atomic_write_bytes({str(target)!r}, b"x" * 5_000_000)
+            files.atomic_write_bytes({str(target)!r}, b"x" * 5_000_000)
+
+        checkpoint.save_if_due(argparse.Namespace(checkpoint_dir={str(tmp_path)!r}), 0, 1, save)
         time.sleep(10)
         print("still running")
     """)

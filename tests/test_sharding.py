@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringtrain.data.sharding import epoch_permutation, eval_indices, shard_indices, steps_per_epoch
+from ringtrain.data.sharding import batches_per_epoch, epoch_permutation, eval_indices, shard_indices
 
 
 @pytest.mark.parametrize("world", range(1, 9))
@@ -20,7 +20,7 @@ def test_shards_disjoint_complete_equal(world, n):
     assert len(missing) == n % world, "only the trimmed remainder may be left out"
     # The left-out samples are the tail of this epoch's permutation, not a fixed set.
     np.testing.assert_array_equal(np.sort(missing), np.sort(epoch_permutation(n, 7, 3)[n - n % world:]))
-    steps = {steps_per_epoch(n, world, 32) for _ in range(world)}
+    steps = {batches_per_epoch(n, world, 32) for _ in range(world)}
     assert steps == {-(-(n // world) // 32)}
 
 

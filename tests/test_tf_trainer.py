@@ -48,9 +48,9 @@ def two_epochs(tmp_path_factory):
 # --- in-process --------------------------------------------------------------------------------
 
 def test_model_matches_the_torch_reference():
-    from tf_models.model import build_model
+    from tf_models.model import build_cnn
 
-    model = build_model(dropout=0.5)
+    model = build_cnn(dropout=0.5)
     assert model.count_params() == 184_586
     assert [tuple(w.shape) for w in model.weights] == [
         (5, 5, 1, 32), (32,), (5, 5, 32, 64), (64,), (1024, 128), (128,), (128, 10), (10,)]
@@ -72,12 +72,12 @@ def test_checkpoint_round_trip_and_corrupt_file(tmp_path, capsys):
 
     from ringtrain.errors import UserError
     from ringtrain.output import checkpoint
-    from tf_models import common
-    from tf_models.model import build_model
+    from tf_models import checkpoints
+    from tf_models.model import build_cnn
 
     def fresh(seed, lr=0.1):
         keras.utils.set_random_seed(seed)
-        net = build_model(0.5)
+        net = build_cnn(0.5)
         opt = keras.optimizers.SGD(learning_rate=lr, momentum=0.9)
         opt.build(net.trainable_variables)
         return net, opt
@@ -87,10 +87,10 @@ def test_checkpoint_round_trip_and_corrupt_file(tmp_path, capsys):
     for m in opt.variables[2:]:  # after the step counter and the LR: the momentum slots
         m.assign(np.full(m.shape, 0.5, np.float32))
     args = argparse.Namespace(epochs=3, seed=1, resume=False, no_progress=True, model="cnn")
-    common.save_checkpoint(str(tmp_path), 2, net, opt, "mnist-cnn-v1", 184_586, args)
+    checkpoints.save(str(tmp_path), 2, net, opt, "mnist-cnn-v1", 184_586, args)
 
     other, other_opt = fresh(2)
-    epoch = common.load_checkpoint(str(tmp_path), other, other_opt, "mnist-cnn-v1", 184_586)
+    epoch = checkpoints.restore(str(tmp_path), other, other_opt, "mnist-cnn-v1", 184_586)
     assert epoch == 2
     for a, b in zip(net.weights, other.weights, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
@@ -101,21 +101,21 @@ def test_checkpoint_round_trip_and_corrupt_file(tmp_path, capsys):
     # A damaged newest checkpoint: resume falls back to the previous one and says so; with no
     # intact one left, it is one line.
     checkpoint.path_for(tmp_path, 3, "npz").write_bytes(b"PK\x03\x04 definitely not a zip")
-    assert common.load_checkpoint(str(tmp_path), other, other_opt, "mnist-cnn-v1", 184_586) == 2
+    assert checkpoints.restore(str(tmp_path), other, other_opt, "mnist-cnn-v1", 184_586) == 2
     assert "ckpt-epoch0003.npz is damaged" in capsys.readouterr().err
     checkpoint.path_for(tmp_path, 2, "npz").write_bytes(b"PK\x03\x04 not one either")
     with pytest.raises(UserError, match="corrupt") as err:
-        common.load_checkpoint(str(tmp_path), other, other_opt, "mnist-cnn-v1", 184_586)
+        checkpoints.restore(str(tmp_path), other, other_opt, "mnist-cnn-v1", 184_586)
     assert "\n" not in str(err.value)
 
     wrong = tmp_path / "wrong"
     wrong.mkdir()
-    common.save_checkpoint(str(wrong), 1, net, opt, "mnist-cnn-v1", 184_586, args)
+    checkpoints.save(str(wrong), 1, net, opt, "mnist-cnn-v1", 184_586, args)
     with pytest.raises(UserError, match="belongs to param_count"):
-        common.load_checkpoint(str(wrong), other, other_opt, "mnist-cnn-v1", 123)
+        checkpoints.restore(str(wrong), other, other_opt, "mnist-cnn-v1", 123)
     with pytest.raises(UserError, match="belongs to model 'mnist-cnn-v1', not 'mnist-mlp-v1'; "
                                         "resume with --model cnn or use another --checkpoint-dir"):
-        common.load_checkpoint(str(wrong), other, other_opt, "mnist-mlp-v1", 184_586)
+        checkpoints.restore(str(wrong), other, other_opt, "mnist-mlp-v1", 184_586)
 
     # Checkpoints from before the LR was set per step: the optimizer ran a schedule, which is not
     # a variable, so they hold one optimizer variable fewer.  They still resume.
@@ -124,8 +124,8 @@ def test_checkpoint_round_trip_and_corrupt_file(tmp_path, capsys):
     net, opt = fresh(3, lr=lambda: 0.1)
     for m in opt.variables[1:]:
         m.assign(np.full(m.shape, 0.25, np.float32))
-    common.save_checkpoint(str(old), 4, net, opt, "mnist-cnn-v1", 184_586, args)
-    assert common.load_checkpoint(str(old), other, other_opt, "mnist-cnn-v1", 184_586) == 4
+    checkpoints.save(str(old), 4, net, opt, "mnist-cnn-v1", 184_586, args)
+    assert checkpoints.restore(str(old), other, other_opt, "mnist-cnn-v1", 184_586) == 4
     for a, b in zip(opt.variables[1:], other_opt.variables[2:], strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
@@ -209,7 +209,7 @@ HOROVOD_KERAS_CHECKS = textwrap.dedent("""
     import tensorflow as tf
     from ringtrain.output.summary import param_checksum
     from tf_models.horovod_keras import DistributedModel, broadcast_variables, loss_sums
-    from tf_models.model import build_model
+    from tf_models.model import build_cnn
 
     rank = hvd.rank()
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -219,7 +219,7 @@ HOROVOD_KERAS_CHECKS = textwrap.dedent("""
 
     # 1. broadcast_variables on Keras 3 variables (the elastic state's sync).
     keras.utils.set_random_seed(100 + rank)
-    net = build_model(0.0)
+    net = build_cnn(0.0)
     before = checksums(net.weights, "before")
     assert before[0] != before[1], "ranks must start different for this check to mean anything"
     broadcast_variables(net.weights, root_rank=0)
@@ -233,7 +233,7 @@ HOROVOD_KERAS_CHECKS = textwrap.dedent("""
     y = rng.integers(0, 10, size=32)
     def one_step(**kwargs):
         keras.utils.set_random_seed(400 + rank)
-        net = build_model(0.0)
+        net = build_cnn(0.0)
         model = DistributedModel(net, **kwargs)
         model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.5))
         model.optimizer.build(net.trainable_variables)
@@ -254,7 +254,7 @@ HOROVOD_KERAS_CHECKS = textwrap.dedent("""
     # 3. loss_sums (the fixed trainer's train loss): this rank's float64 sum of per-example
     #    losses and its example count, through a compiled fit, unequal rows per rank.
     keras.utils.set_random_seed(500)
-    net = build_model(0.0)
+    net = build_cnn(0.0)
     sums = loss_sums()
     net.compile(optimizer=keras.optimizers.SGD(learning_rate=0.0),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=[sums])

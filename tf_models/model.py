@@ -42,7 +42,7 @@ def _torch_init(fan_in: int) -> dict:
     }
 
 
-def build_model(dropout: float = 0.5, dtype_policy: str | None = None,
+def build_cnn(dropout: float = 0.5, dtype_policy: str | None = None,
                 input_shape: tuple[int, int, int] = MNIST_SHAPE, num_classes: int = 10,
                 name: str = "cnn") -> keras.Model:
     """The CNN, built (its variables exist) and returning logits.
@@ -70,7 +70,7 @@ def build_model(dropout: float = 0.5, dtype_policy: str | None = None,
 
 def build_mlp(dropout: float = 0.5, dtype_policy: str | None = None,
               input_shape: tuple[int, int, int] = MNIST_SHAPE, num_classes: int = 10) -> keras.Model:
-    """The MLP, built and returning logits (float32, as :func:`build_model`)."""
+    """The MLP, built and returning logits (float32, as :func:`build_cnn`)."""
     policy = dtype_policy or keras.config.dtype_policy().name
     layers = keras.layers
     inputs = keras.Input(shape=input_shape, name="image")
@@ -87,7 +87,7 @@ def build(spec: str, dataset, dropout: float, dtype_policy: str | None = None) -
     spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
     shape, classes = tuple(dataset.input_shape), dataset.num_classes
     if spec == "cnn":
-        model = build_model(dropout, dtype_policy, shape, classes)
+        model = build_cnn(dropout, dtype_policy, shape, classes)
     elif spec == "mlp":
         model = build_mlp(dropout, dtype_policy, shape, classes)
     else:

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringtrain import model_spec
-from ringtrain.errors import UserError
 
 MNIST_SHAPE = (1, 28, 28)
 
@@ -80,19 +79,12 @@ def build(spec: str, dataset, dropout: float) -> nn.Module:
 
 def check(spec: str, model: nn.Module, shape: tuple[int, ...], num_classes: int) -> None:
     """One forward pass of two zero images in eval mode (no dropout draws, so the random state is
-    untouched): the output must be ``[2, num_classes]``.  Also materialises lazy modules before
-    the optimizer and the broadcast see the parameters."""
+    untouched).  Also materialises lazy modules before the optimizer and the broadcast see the
+    parameters."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            out = model(torch.zeros(2, *shape))
-    except Exception as err:
-        raise UserError(f"--model {spec}: a forward pass on a batch of shape {(2, *shape)} failed: "
-                        f"{type(err).__name__}: {model_spec.one_line(err)}") from None
+            model_spec.check_forward(spec, shape, num_classes, lambda: model(torch.zeros(2, *shape)))
     finally:
         model.train(was_training)
-    if not isinstance(out, torch.Tensor):
-        raise UserError(f"--model {spec} returns a {type(out).__name__} from forward(), not a "
-                        f"tensor of logits")
-    model_spec.check_output(spec, shape, tuple(out.shape), num_classes)

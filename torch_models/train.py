@@ -2,8 +2,10 @@
 
 The Horovod part is the usual handful of lines, each marked ``# Horovod:`` below: initialise, pin
 the rank to its GPU and cores, shard the data, scale the LR, wrap the optimizer, broadcast rank 0's
-state.  Everything else is shared with the TensorFlow trainer: the flags (:mod:`launch.cli`), the
-run's skeleton (:class:`ringtrain.training.job.Job`: data, resume, metrics, output), sharding and the LR rule.
+state.  Everything else is shared with the TensorFlow trainer (:mod:`ringtrain`): the flags, the
+start-up checks (:mod:`ringtrain.training.startup`), the run's bookkeeping
+(:class:`ringtrain.training.fixed.FixedRun`: LR per step, metrics, output, checkpoints), sharding
+and the LR rule.
 """
 
 from __future__ import annotations
@@ -15,14 +17,20 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
+from ringtrain import model_spec
+from ringtrain.data import dataset as datasets
 from ringtrain.data.sharding import optimizer_steps, shard_indices
-from ringtrain.faults import watchdog
 from ringtrain.lr import scaled_lr
+from ringtrain.optimizer_options import distributed_optimizer_options
+from ringtrain.output.progress import Progress
 from ringtrain.output.summary import Summary
 from ringtrain.runtime import before_init
-from ringtrain.training import divergence
-from ringtrain.training.job import Job
-from torch_models import common
+from ringtrain.training import divergence, startup
+from ringtrain.training.fixed import FixedRun
+from torch_models import checkpoints, devices
+from torch_models.collectives import COLLECTIVES, VERSIONS
+from torch_models.data import to_tensors
+from torch_models.evaluation import eval_sums, parameters, weights_finite
 from torch_models.model import build
 
 
@@ -31,53 +39,50 @@ def train(args: argparse.Namespace) -> Summary:
     # Horovod: initialise; from here on every rank knows its rank and the world size.
     hvd.init()
     # Horovod: pin this rank to its share of the host's cores and to GPU local_rank (if any).
-    device = common.pin(hvd.local_rank(), hvd.local_size())
-    job = Job(args, framework="torch", versions=common.VERSIONS, hvd=hvd,
-              collectives=common.COLLECTIVES, use_gpu=device.type == "cuda")
-    watchdog.start(args.stall_timeout, hvd)  # watchdog: a frozen or cut-off rank ends the job
-    rank, size, k = job.rank, job.size, args.backward_passes_per_step
+    device = devices.pin(hvd.local_rank(), hvd.local_size())
+    world = startup.begin(args, hvd, COLLECTIVES, use_gpu=device.type == "cuda")
+    rank, size, k = world.rank, world.size, args.backward_passes_per_step
 
     # Different seeds per rank on purpose: the broadcast below, not luck, makes ranks agree.
     torch.manual_seed(args.seed + rank)
-    model = build(args.model, job.dataset, args.dropout).to(device)  # checked on every rank
+    dataset = datasets.get()
+    model = build(args.model, dataset, args.dropout).to(device)  # checked on every rank
     param_count = sum(p.numel() for p in model.parameters())
+    model_name = model_spec.model_name(args.model, dataset.name)
 
-    train_images, train_labels, test_images, test_labels = job.load_data(param_count)
-    train_x, train_y = common.to_tensors(job.dataset, train_images, train_labels, device)
-    test_x, test_y = common.to_tensors(job.dataset, test_images, test_labels, device)
-    steps = optimizer_steps(job.n_train, size, args.batch_size, k, args.max_steps)
+    data = startup.load_data(world, args, dataset, param_count)
+    train_x, train_y = to_tensors(dataset, data.train_images, data.train_labels, device)
+    test_x, test_y = to_tensors(dataset, data.test_images, data.test_labels, device)
+    n_train = len(train_y)
+    steps = optimizer_steps(n_train, size, args.batch_size, k, args.max_steps)
 
     # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
     target_lr = scaled_lr(args.base_lr, size, args.lr_scaling, args.adasum)
     optimizer = torch.optim.SGD(model.parameters(), lr=target_lr, momentum=args.momentum)
     # Horovod: wrap the optimizer: step() averages the gradients over all ranks (ring allreduce).
-    optimizer = hvd.DistributedOptimizer(
-        optimizer,
-        named_parameters=model.named_parameters(),
-        compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none,
-        backward_passes_per_step=k,
-        op=hvd.Adasum if args.adasum else hvd.Average,
-        gradient_predivide_factor=args.gradient_predivide_factor,
-    )
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         **distributed_optimizer_options(args, hvd))
     # Resume into the wrapped optimizer: DistributedOptimizer builds a new optimizer from the
     # param groups alone, so state loaded before wrapping (the momentum buffers) would be lost.
-    start_epoch = job.resume(lambda: common.load_checkpoint(
-        args.checkpoint_dir, model, optimizer, job.model_name, param_count))
+    start_epoch = startup.resume_epoch(world, args, lambda: checkpoints.restore(
+        args.checkpoint_dir, model, optimizer, model_name, param_count))
     # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) to every rank.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     scaler = torch.amp.GradScaler("cuda") if args.amp else None
 
-    job.begin(param_count=param_count, target_lr=target_lr, steps=steps, start_epoch=start_epoch)
+    run = FixedRun(args, world, Progress(args, rank, n_train), framework="torch", versions=VERSIONS,
+                   model_name=model_name, dataset=dataset.name, param_count=param_count,
+                   target_lr=target_lr, steps=steps, start_epoch=start_epoch)
     for epoch in range(start_epoch + 1, args.epochs + 1):
         model.train()
         # Horovod: shard: rank r takes every N-th sample of the epoch's order, the same on all ranks.
-        idx = torch.from_numpy(shard_indices(job.n_train, rank, size, args.seed, epoch,
+        idx = torch.from_numpy(shard_indices(n_train, rank, size, args.seed, epoch,
                                              shuffle=not args.no_shuffle)).to(device)
         loss_sum, images = torch.zeros((), dtype=torch.float64, device=device), 0
         t0 = time.perf_counter()
         for step in range(steps):
-            lr = job.lr(epoch, step, steps, target_lr)
+            lr = run.lr(epoch, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.zero_grad()
@@ -103,14 +108,14 @@ def train(args: argparse.Namespace) -> Summary:
                 scaler.update()
             else:
                 optimizer.step()
-            if not common.weights_finite(model):  # identical on every rank: all stop here
-                raise divergence.stop(job.gather, epoch, step + 1,
+            if not weights_finite(model):  # identical on every rank: all stop here
+                raise divergence.stop(world.gather, epoch, step + 1,
                                       lambda s=step_loss, n=step_images: (s / n).item())
             images += step_images
-            job.step_done(epoch, step + 1, steps, lr=lr, consumed=images * size,
+            run.step_done(epoch, step + 1, lr=lr, consumed=images * size,
                           loss=lambda s=step_loss, n=step_images: (s / n).item())
-        job.end_epoch(epoch, train_sums=[loss_sum.item(), images], seconds=time.perf_counter() - t0,
-                      lr=lr, evaluate=lambda: common.eval_sums(model, test_x, test_y),
-                      save=lambda e: common.save_checkpoint(args.checkpoint_dir, e, model, optimizer,
-                                                            job.model_name, param_count, args))
-    return job.finish_fixed(lambda: common.eval_sums(model, test_x, test_y), common.parameters(model))
+        run.end_epoch(epoch, train_sums=[loss_sum.item(), images], seconds=time.perf_counter() - t0,
+                      lr=lr, evaluate=lambda: eval_sums(model, test_x, test_y),
+                      save=lambda e: checkpoints.save(args.checkpoint_dir, e, model, optimizer,
+                                                      model_name, param_count, args))
+    return run.finish(lambda: eval_sums(model, test_x, test_y), parameters(model))

@@ -6,13 +6,13 @@ shape, the class count and the training-set size from here, never from a dataset
 so a second dataset is one new module plus one line in :data:`DATASETS`.
 
 Each rank takes its view of the arrays with :func:`rank_view`; loading them in a job (rank 0 alone
-may download, every rank learns its verdict) is :meth:`ringtrain.training.job.Job.load_data`.
+may download, every rank learns its verdict) is :func:`ringtrain.training.startup.load_data`.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -62,12 +62,26 @@ def model_inputs(dataset: Dataset, images: np.ndarray) -> np.ndarray:
     return dataset.normalize(images).reshape(len(images), *dataset.input_shape)
 
 
-def rank_view(data: Arrays, train_samples: int | None, test_samples: int | None, rank: int,
-              world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(train images, train labels, test images, test labels) as one rank uses them: the first
-    ``train_samples`` training images (sharded per epoch later) and this rank's strided test shard."""
-    n_train = train_samples or len(data.train_labels)
-    test_idx = eval_indices(min(test_samples or len(data.test_labels), len(data.test_labels)),
-                            rank, world_size)
-    return (data.train_images[:n_train], data.train_labels[:n_train],
-            data.test_images[test_idx], data.test_labels[test_idx])
+class RankData(NamedTuple):
+    """The arrays one rank trains and evaluates on (uint8 images)."""
+
+    train_images: np.ndarray
+    train_labels: np.ndarray
+    test_images: np.ndarray
+    test_labels: np.ndarray
+
+
+def subset(data: Arrays, args) -> RankData:
+    """The first ``--train-samples`` training and ``--test-samples`` test images, unsharded (an
+    elastic job shards them per world; training data is sharded per epoch)."""
+    n_train = args.train_samples or len(data.train_labels)
+    n_test = min(args.test_samples or len(data.test_labels), len(data.test_labels))
+    return RankData(data.train_images[:n_train], data.train_labels[:n_train],
+                    data.test_images[:n_test], data.test_labels[:n_test])
+
+
+def rank_view(data: Arrays, args, rank: int, world_size: int) -> RankData:
+    """:func:`subset`, with this rank's strided share of the test images."""
+    view = subset(data, args)
+    test_idx = eval_indices(len(view.test_labels), rank, world_size)
+    return view._replace(test_images=view.test_images[test_idx], test_labels=view.test_labels[test_idx])

@@ -56,17 +56,18 @@ def eval_indices(num_samples: int, rank: int, world_size: int) -> np.ndarray:
     return np.arange(rank, num_samples, world_size)
 
 
-def steps_per_epoch(num_samples: int, world_size: int, batch_size: int) -> int:
-    """Optimizer steps every rank runs per epoch (the last batch may be partial, equal everywhere)."""
+def batches_per_epoch(num_samples: int, world_size: int, batch_size: int) -> int:
+    """Batches every rank runs per epoch (the last one may be partial, equal everywhere)."""
     return math.ceil((num_samples // world_size) / batch_size)
 
 
 def optimizer_steps(num_samples: int, world_size: int, batch_size: int, backward_passes: int,
-                    max_steps: int | None = None) -> int:
+                    max_steps: int | None = None, strict: bool = True) -> int:
     """Optimizer steps per epoch, equal on every rank: batches grouped by ``backward_passes``
-    (trailing batches that do not fill a group are dropped), capped by ``max_steps``."""
-    batches = steps_per_epoch(num_samples, world_size, batch_size)
-    if batches < backward_passes:
+    (trailing batches that do not fill a group are dropped), capped by ``max_steps``.  ``strict``
+    refuses an epoch too short for one step; an elastic job in mid-epoch only has none left."""
+    batches = batches_per_epoch(num_samples, world_size, batch_size)
+    if strict and batches < backward_passes:
         raise UserError(f"each rank gets {batches} batches per epoch, fewer than "
                         f"--backward-passes-per-step {backward_passes}; use more data or a smaller batch")
     steps = batches // backward_passes

@@ -3,7 +3,7 @@
 The payload is framework-specific (the trainers serialise it), but every checkpoint carries the
 same metadata, so a checkpoint from another model, framework or format version is refused with one
 line rather than loaded into the wrong tensors.  Files are written atomically (see
-:func:`ringtrain.output.summary.atomic_write_bytes`), so a kill mid-save leaves the previous one intact.
+:func:`ringtrain.output.files.atomic_write_bytes`), so a kill mid-save leaves the previous one intact.
 
 Nothing in a checkpoint runs.  Checkpoint folders are shared (NFS, object stores), so whoever can
 write one could otherwise run code as the training user on rank 0: PyTorch's files are read with
@@ -20,7 +20,6 @@ import io
 import os
 import pickletools
 import re
-import shutil
 import sys
 import zipfile
 from collections.abc import Callable
@@ -28,32 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from ringtrain.errors import UserError
-from ringtrain.output.summary import atomic_write_bytes
+from ringtrain.faults import termination
+from ringtrain.output.files import atomic_write_bytes
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-epoch(\d{4,})\.(\w+)$")
-
-
-def ensure_writable(directory: str | os.PathLike, flag: str = "--checkpoint-dir",
-                    need_bytes: int = 0) -> Path:
-    """Create the folder and prove we can write into it, and that it has room for ``need_bytes``
-    (one checkpoint), before training starts."""
-    path = Path(directory)
-    what = "checkpoint folder" if flag == "--checkpoint-dir" else f"{flag} folder"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-        free = shutil.disk_usage(path).free
-    except OSError as err:
-        raise UserError(f"{what} {path} is not writable ({err.strerror}); choose another "
-                        f"{flag}") from None
-    if free < need_bytes:
-        raise UserError(f"{what} {path} has {free / 1e6:.1f} MB free, one checkpoint of this model "
-                        f"needs about {need_bytes / 1e6:.1f} MB; free space there or choose another "
-                        f"{flag}")
-    return path
 
 
 def estimated_bytes(param_count: int, momentum: float) -> int:
@@ -180,6 +158,14 @@ def save(directory: str | os.PathLike, epoch: int, ext: str, payload: bytes) -> 
         sys.stderr.flush()
         return None
     return path
+
+
+def save_if_due(args, rank: int, epoch: int, save: Callable[[int], None]) -> None:
+    """After an epoch, rank 0 writes its checkpoint with the framework's ``save`` (when there is a
+    ``--checkpoint-dir``); a SIGTERM that arrives meanwhile lets the save finish."""
+    if args.checkpoint_dir and rank == 0:
+        with termination.saving():
+            save(epoch)
 
 
 def config_of(args) -> dict[str, Any]:

@@ -1,0 +1,49 @@
+"""Files rank 0 writes: atomically, into folders it has checked before training starts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ringtrain.errors import UserError
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write-then-rename in the target folder: readers see the old file or the new, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def ensure_writable(directory: str | os.PathLike, flag: str = "--checkpoint-dir",
+                    need_bytes: int = 0) -> Path:
+    """Create the folder and prove we can write into it, and that it has room for ``need_bytes``
+    (one checkpoint), before training starts."""
+    path = Path(directory)
+    what = "checkpoint folder" if flag == "--checkpoint-dir" else f"{flag} folder"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        free = shutil.disk_usage(path).free
+    except OSError as err:
+        raise UserError(f"{what} {path} is not writable ({err.strerror}); choose another "
+                        f"{flag}") from None
+    if free < need_bytes:
+        raise UserError(f"{what} {path} has {free / 1e6:.1f} MB free, one checkpoint of this model "
+                        f"needs about {need_bytes / 1e6:.1f} MB; free space there or choose another "
+                        f"{flag}")
+    return path

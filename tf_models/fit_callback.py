@@ -1,0 +1,63 @@
+"""The bridge from Keras' ``model.fit`` to the run's shared bookkeeping (fixed-size TF trainer)."""
+
+from __future__ import annotations
+
+import time
+
+import keras
+
+from ringtrain.training import divergence
+from ringtrain.training.fixed import FixedRun
+from ringtrain.training.world import World
+
+
+class FixedRunCallback(keras.callbacks.Callback):
+    """``model.fit``'s hooks, on every rank, handed to the :class:`~ringtrain.training.fixed.FixedRun`
+    once per optimizer step, i.e. every K-th of fit's micro-batch steps.
+
+    Before each optimizer step the optimizer gets the step's LR from :meth:`FixedRun.lr`, the LR
+    rule the PyTorch trainer and both elastic loops use (a float32 variable, assigned
+    ``float32(lr_at(...))``; only the K-th micro-batch step applies it).  After it, the weights are
+    checked (identical on every rank: all stop at the same step when they are no longer finite),
+    and the step's mean loss on this rank (from ``sums``, the float64
+    :func:`~tf_models.horovod_keras.loss_sums` metric) goes to :meth:`FixedRun.step_done`; at the
+    epoch's end, this rank's (loss sum, images) and test sums go to :meth:`FixedRun.end_epoch`.
+    The callback reads fit's state and hands it on; it changes nothing of the run's but the LR.
+    """
+
+    def __init__(self, run: FixedRun, sums: keras.metrics.Metric, *, world: World, k: int,
+                 weights_finite, evaluate, save) -> None:
+        super().__init__()
+        self.run, self.sums, self.world, self.k = run, sums, world, k
+        self.weights_finite = weights_finite
+        self.evaluate, self.save = evaluate, save
+        self.epoch, self.lr, self.t0, self.seen = 0, 0.0, 0.0, (0.0, 0.0)
+
+    def totals(self) -> tuple[float, float]:
+        return float(self.sums.total.numpy()), float(self.sums.count.numpy())
+
+    def on_epoch_begin(self, epoch, logs=None) -> None:
+        self.epoch = epoch + 1  # Keras counts epochs from 0, the reports from 1
+        self.t0, self.seen = time.perf_counter(), (0.0, 0.0)
+
+    def on_train_batch_begin(self, batch, logs=None) -> None:
+        if batch % self.k == 0:  # the first micro-batch of an optimizer step
+            self.lr = self.run.lr(self.epoch, batch // self.k)
+            self.model.optimizer.learning_rate = self.lr
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        if (batch + 1) % self.k:  # gradients accumulated, nothing applied yet
+            return
+        total, count = self.totals()
+        step_loss = (total - self.seen[0]) / (count - self.seen[1])
+        self.seen = (total, count)
+        if not self.weights_finite():  # identical on every rank: all stop here
+            raise divergence.stop(self.world.gather, self.epoch, (batch + 1) // self.k,
+                                  lambda: step_loss)
+        self.run.step_done(self.epoch, (batch + 1) // self.k, loss=step_loss, lr=self.lr,
+                           consumed=int(count) * self.world.size)
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        seconds = time.perf_counter() - self.t0
+        self.run.end_epoch(self.epoch, train_sums=list(self.totals()), seconds=seconds, lr=self.lr,
+                           evaluate=self.evaluate, save=self.save)
