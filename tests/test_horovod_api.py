@@ -165,13 +165,15 @@ def test_horovodrun_adds_no_tensorflow_log_to_a_job():
 RENDEZVOUS_ORDER = """
 import json, urllib.request
 from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+from horovod.runner.http import auth
 from horovod.runner.http.http_server import RendezvousServer
 
 server = RendezvousServer()
-port = server.start()
+port = server.start(address="127.0.0.1")
 server.init(get_host_assignments(parse_hosts("localhost:2"), 2))
-def request(method, path, body=None):
+def request(method, path, body=None):  # signed with the job key, as Gloo's store signs them
     req = urllib.request.Request(f"http://127.0.0.1:{port}/{path}", data=body, method=method)
+    req.add_header(auth.SIGNATURE_HEADER, auth.request_signature(server.key, method, "/" + path, body))
     urllib.request.urlopen(req, timeout=30).read()
 for scope, rank in (("local_localhost", 0), ("local_localhost", 1), ("cross_0", 0), ("cross_1", 0)):
     request("PUT", f"{scope}/{rank}", b"address")
