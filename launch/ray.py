@@ -464,6 +464,8 @@ def run_fixed(ray, RayExecutor, args, framework: str, token: str, state: dict, w
                         f"{args.cpus_per_worker} CPU within --start-timeout {args.start_timeout:g} s "
                         f"(free now: {int(free.get('CPU', 0))} CPU, {int(free.get('GPU', 0))} GPU; "
                         f"other jobs hold the rest)") from None
+    except Exception as err:  # noqa: BLE001 - NIC detection, the rendezvous: one line
+        return start_failed(err)
     try:
         placed = executor.execute(where_am_i)  # rank order
         nodes = {p["node_id"] for p in placed}
@@ -479,6 +481,14 @@ def run_fixed(ray, RayExecutor, args, framework: str, token: str, state: dict, w
     finally:
         executor.shutdown()
     return code
+
+
+def start_failed(err: BaseException) -> int:
+    first = (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]
+    print(f"error: Horovod's Ray executor could not start the workers ({type(err).__name__}: {first}); "
+          f"if it could not find a network interface common to the nodes, name one with "
+          f"--network-interfaces", file=sys.stderr, flush=True)
+    return 1
 
 
 def wait_fixed(ray, refs: list) -> dict[int, dict]:
@@ -548,7 +558,10 @@ def run_elastic(ray, RayExecutor, args, framework: str, token: str, state: dict,
                            gpus_per_worker=args.gpus_per_worker or None)
     # Horovod's elastic driver sets HOROVOD_ELASTIC=1 in every worker's environment
     # (create_run_env_vars(elastic=True)), which the trainers' check_launcher requires.
-    executor.start(extra_env_vars=worker_env())
+    try:
+        executor.start(extra_env_vars=worker_env())
+    except Exception as err:  # noqa: BLE001 - waiting for slots, NIC detection: one line
+        return start_failed(err)
     watch = NodeWatch(ray)
     say(f"elastic job: {args.min_workers} to {args.max_workers or 'as many as fit'} worker(s) on "
         f"{len(watch.alive)} node(s)")
