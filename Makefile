@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 NP ?= 4
 ARGS ?=
 
-.PHONY: setup run run-tf test lint bench bench-quick bench-cluster
+.PHONY: setup setup-ray run run-tf test lint bench bench-quick bench-cluster
 
 setup:
 	bash .ci/setup
@@ -17,7 +17,12 @@ run: setup
 run-tf: setup
 	$(VENV)/bin/horovodrun -np $(NP) $(PY) -m launch.tf_mnist $(ARGS)
 
-test: setup
+# The suite also runs the Ray launcher's tests (tests/test_ray*.py), so test installs the ray
+# extra; setup and run stay without it.
+setup-ray:
+	RINGTRAIN_RAY=1 bash .ci/setup
+
+test: setup-ray
 	$(PY) -m ruff check .
 	$(PY) -m pytest
 

@@ -90,10 +90,11 @@ def import_trainer(framework: str, elastic: bool = False) -> ModuleType:
         return importlib.import_module(TRAINERS[framework][1 if elastic else 0])
 
 
-def run(framework: str, args: argparse.Namespace) -> int:
+def run(framework: str, args: argparse.Namespace, own_signals: bool = True) -> int:
     """Run a validated command line: the framework's elastic trainer under ``--elastic``, else
-    its fixed-size one."""
+    its fixed-size one.  ``own_signals``: this process is the trainer's (not a Ray actor's)."""
     check_launcher(args.elastic)
-    termination.install()  # SIGTERM: finish a save under way, then exit 143 with one line
+    if own_signals:
+        termination.install()  # SIGTERM: finish a save under way, then exit 143 with one line
     import_trainer(framework, elastic=args.elastic).train(args)
     return 0
