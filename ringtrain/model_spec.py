@@ -31,6 +31,19 @@ def check_spec(spec: str) -> str:
     return spec
 
 
+CNN_MIN_SIDE = 16  # two 5x5 convolutions, each followed by a 2x2 pool, leave 1 pixel of 16
+
+
+def check_builtin_input(spec: str, input_shape: tuple[int, int, int]) -> None:
+    """The built-in CNN needs images of at least 16 x 16 pixels (``input_shape`` channels last);
+    said before the framework tries, whose errors differ (Keras raises while building)."""
+    height, width, _ = input_shape
+    if spec == "cnn" and min(height, width) < CNN_MIN_SIDE:
+        raise UserError(f"--model cnn needs images of at least {CNN_MIN_SIDE}x{CNN_MIN_SIDE} pixels "
+                        f"(two 5x5 convolutions and 2x2 pools), the data's are {height}x{width}; "
+                        f"use --image-size, --model mlp or your own --model")
+
+
 def model_name(spec: str, dataset_name: str) -> str:
     """What checkpoints and summaries record: ``mnist-cnn-v1`` for the built-in CNN on MNIST
     (the name checkpoints have always carried), the spec itself for a user's builder."""

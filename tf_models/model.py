@@ -82,8 +82,9 @@ def build_mlp(dropout: float = 0.5, dtype_policy: str | None = None,
 
 
 def build(spec: str, dataset, dropout: float, dtype_policy: str | None = None) -> keras.Model:
-    """The ``--model spec`` for ``dataset`` (a :class:`ringtrain.data.dataset.Dataset`), checked: a bad
+    """The ``--model spec`` for ``dataset`` (its :class:`ringtrain.data.dataset.DataInfo`), checked: a bad
     spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
+    model_spec.check_builtin_input(spec, dataset.input_shape)
     shape, classes = tuple(dataset.input_shape), dataset.num_classes
     if spec == "cnn":
         model = build_cnn(dropout, dtype_policy, shape, classes)
