@@ -100,6 +100,11 @@ MNIST_NORMALIZATION = Normalization((mnist.PIXEL_MEAN,), (mnist.PIXEL_STD,),
                                     "MNIST's usual constants (pytorch/examples)")
 
 
+def mnist_info(train_size: int = mnist.TRAIN_SIZE, test_size: int = mnist.TEST_SIZE) -> DataInfo:
+    return DataInfo("mnist", "mnist", (28, 28, 1), 10, tuple(str(i) for i in range(10)),
+                    train_size, test_size, MNIST_NORMALIZATION)
+
+
 @dataclass(frozen=True)
 class ArrayData:
     """A dataset held in memory (MNIST): uint8 images ``[N, H, W]`` or ``[N, H, W, C]``."""
@@ -153,8 +158,7 @@ def open_builtin(args: argparse.Namespace, download: bool = True) -> ArrayData |
         arrays = mnist.load(args.data_dir, download=download)
         n_train = args.train_samples or len(arrays.train_labels)
         n_test = min(args.test_samples or len(arrays.test_labels), len(arrays.test_labels))
-        info = DataInfo(args.data, "mnist", (28, 28, 1), 10, tuple(str(i) for i in range(10)),
-                        n_train, n_test, MNIST_NORMALIZATION)
+        info = mnist_info(n_train, n_test)
         return ArrayData(info, arrays.train_images[:n_train], arrays.train_labels[:n_train],
                          arrays.test_images[:n_test], arrays.test_labels[:n_test])
     if kind == "user":
