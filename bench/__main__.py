@@ -40,7 +40,7 @@ def parse_run(name: str) -> Run:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--quick", action="store_true", help="a few minutes: -np 1,2, short runs, proxy accuracy")
     p.add_argument("--only", default=",".join(report.DEFAULT_PARTS),
                    help=f"comma-separated parts: {', '.join(PARTS)} "

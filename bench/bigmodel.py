@@ -27,7 +27,7 @@ WRAPPERS = ("none", "alone", "horovod", "ddp")
 
 
 def parser(models: tuple[str, ...], default_model: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--wrapper", choices=WRAPPERS, required=True)
     p.add_argument("--model", choices=models, default=default_model)
     p.add_argument("--image-size", type=int, default=32, help="square RGB images, this many pixels a side")

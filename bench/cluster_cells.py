@@ -109,7 +109,7 @@ def summarize(cells: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.cluster_cells", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--profile", default="1g", choices=[k for k, v in cluster.PROFILES.items() if v.rate_bit])
     p.add_argument("--hosts", default="4", help="comma-separated host counts (default 4)")
     p.add_argument("--sizes", default="16M,64M")

@@ -272,7 +272,7 @@ def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--impl", choices=("hvd", "hvd-sleep", "mpi4py", "torch", "ps", "hier"), required=True)
     p.add_argument("--sizes", required=True, help="comma-separated byte counts")
     p.add_argument("--warmup", type=int, default=3)

@@ -20,7 +20,7 @@ from ringtrain.data.sharding import shard_indices
 
 
 def parser(wrappers: tuple[str, ...]) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--wrapper", choices=wrappers, required=True)
     p.add_argument("--data", choices=("synthetic", "mnist"), default="synthetic",
                    help="synthetic: one fixed random batch (no input pipeline); mnist: per-step "

@@ -384,7 +384,7 @@ def write(results_path: Path, markdown_path: Path) -> Path:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     p.add_argument("--out", default="bench/results", help="folder holding results.json")
     p.add_argument("--markdown", default="BENCHMARKS.md")
     args = p.parse_args()

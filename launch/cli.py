@@ -51,8 +51,12 @@ def build_parser(framework: str | None = None) -> argparse.ArgumentParser:
     what = {"torch": "PyTorch", "tf": "TensorFlow/Keras 3"}.get(framework or "", "PyTorch or TensorFlow")
     parser = OneLineParser(
         prog=f"python -m launch.{framework}_mnist" if framework else "python -m launch",
-        description=f"Data-parallel MNIST on {what} through Horovod. Run one process per "
-                    f"worker: horovodrun -np 4 <this command>, mpirun -np 4 ..., or plain python.",
+        description=f"Data-parallel training on {what} through Horovod (MNIST, an image folder or "
+                    f"your own data: --data). Run one process per worker: horovodrun -np 4 <this "
+                    f"command>, mpirun -np 4 ..., or plain python.",
+        # No abbreviations: --data would otherwise be taken for --data-dir when misspelt, and a
+        # new flag could silently change what an old abbreviation meant.
+        allow_abbrev=False,
     )
     return flags.add_trainer_args(parser)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ringtrain import model_spec
-from ringtrain.data import dataset
+from ringtrain.data import dataset, mnist
 from ringtrain.errors import UserError
 from ringtrain.lr import DECAY_RULES, SCALING_RULES
 
@@ -52,14 +52,29 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="keep the data in file order every epoch (for reproducibility checks)")
 
     g = parser.add_argument_group("data")
+    g.add_argument("--data", default="mnist", metavar="SPEC",
+                   help="mnist (default); folder:DIR, an image folder with DIR/train/<class>/* and "
+                        "DIR/test/<class>/* (or val/), JPEG or PNG; or package.module:function, "
+                        "your own dataset (see README, 'Your own data')")
     g.add_argument("--data-dir", default=None,
-                   help="folder with the four MNIST .gz files (default: $MNIST_DIR, then "
-                        "../shared/data/mnist if present, else ~/.cache/ringtrain/mnist; "
-                        "missing files are downloaded by rank 0)")
+                   help="with --data mnist: folder with the four MNIST .gz files (default: "
+                        "$MNIST_DIR, then ../shared/data/mnist if present, else "
+                        "~/.cache/ringtrain/mnist; missing files are downloaded by rank 0)")
+    g.add_argument("--image-size", default=None, metavar="N|HxW",
+                   help="with --data folder:DIR: resize every image to N x N or H x W pixels "
+                        "(default: the size of the first training image)")
+    g.add_argument("--normalize", choices=("data", "imagenet"), default="data",
+                   help="with --data folder:DIR: per-channel mean and std computed from 1000 "
+                        "training images (data, the default), or ImageNet's (imagenet); both "
+                        "are recorded in the summary and the checkpoints")
+    g.add_argument("--workers", type=int, default=None,
+                   help="processes (PyTorch) or threads (TensorFlow) per rank that decode images "
+                        "of a folder or your own data (default: the cores a rank has, at least 1)")
     g.add_argument("--train-samples", type=int, default=None,
-                   help="use only the first N training images (quick runs)")
+                   help="use only N training images (quick runs): MNIST's first N; of a folder or "
+                        "your own data, N drawn once with a fixed seed")
     g.add_argument("--test-samples", type=int, default=None,
-                   help="evaluate on only the first N test images (quick runs)")
+                   help="evaluate on only N test images (quick runs), taken the same way")
     g.add_argument("--max-steps", type=int, default=None,
                    help="stop each epoch after this many steps (tests and benchmarks)")
 
@@ -108,10 +123,22 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     for flag, value in positive.items():
         if value <= 0:
             raise UserError(f"{flag} must be a positive integer, got {value}")
-    train_size = dataset.get().train_size
-    if args.train_samples is not None and not 1 <= args.train_samples <= train_size:
-        raise UserError(f"--train-samples must be between 1 and {train_size} (the training "
+    kind, _ = dataset.parse_spec(args.data)
+    dataset.parse_image_size(args.image_size)
+    if kind != "mnist" and args.data_dir is not None:
+        raise UserError(f"--data-dir is MNIST's folder; with --data {args.data} drop it (a "
+                        f"folder's path is part of --data folder:DIR)")
+    if kind != "folder" and args.image_size is not None:
+        raise UserError("--image-size works with --data folder:DIR only; your own data's images "
+                        "arrive at their size")
+    if args.workers is not None and args.workers < 0:
+        raise UserError(f"--workers must be 0 (decode in the training process) or more, got "
+                        f"{args.workers}")
+    if kind == "mnist" and args.train_samples is not None and not 1 <= args.train_samples <= mnist.TRAIN_SIZE:
+        raise UserError(f"--train-samples must be between 1 and {mnist.TRAIN_SIZE} (the training "
                         f"set), got {args.train_samples}")
+    if args.train_samples is not None and args.train_samples < 1:  # other data: bounded once open
+        raise UserError(f"--train-samples must be positive, got {args.train_samples}")
     if args.test_samples is not None and args.test_samples <= 0:
         raise UserError(f"--test-samples must be positive, got {args.test_samples}")
     if args.max_steps is not None and args.max_steps <= 0:
@@ -144,11 +171,8 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def validate_world(args: argparse.Namespace, world_size: int) -> None:
-    """Checks that need the world size, run right after ``hvd.init()`` on every rank."""
+    """Checks that need the world size, run right after ``hvd.init()`` on every rank (the data's
+    own: :func:`ringtrain.data.dataset.check_world`, once it is open)."""
     if args.adasum and world_size & (world_size - 1):
         raise UserError(f"--adasum needs a power-of-two number of processes, not {world_size}; run "
                         f"2, 4, 8... processes or drop --adasum")
-    n = args.train_samples or dataset.get().train_size
-    if n < world_size:
-        raise UserError(f"--train-samples {n} is smaller than the world size {world_size}: every "
-                        f"rank needs at least one image; raise it or run fewer processes")

@@ -6,31 +6,42 @@ the builder is imported and called, and what it returns checked, by the framewor
 and before any collective, so a bad spec ends every rank with the same line instead of leaving
 some of them waiting for the others.
 
-A builder is called as ``build(input_shape=..., num_classes=...)``: ``input_shape`` is one
-example's shape in the framework's layout (PyTorch ``(channels, height, width)``, Keras
-``(height, width, channels)``), and the model it returns maps a batch of them to
-``num_classes`` logits.
+A builder is called with the keyword arguments it accepts of ``input_shape`` and ``num_classes``
+(:func:`ringtrain.user_code.call`): ``input_shape`` is one example's shape in the framework's
+layout (PyTorch ``(channels, height, width)``, Keras ``(height, width, channels)``), and the model
+it returns maps a batch of them to ``num_classes`` logits.
 """
 
 from __future__ import annotations
 
-import importlib
-import re
 from collections.abc import Callable
 from typing import Any
 
+from ringtrain import user_code
 from ringtrain.errors import UserError
 
 BUILTIN = ("cnn", "mlp")
-_USER_SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 def check_spec(spec: str) -> str:
     """The syntax check, before any framework import."""
-    if spec not in BUILTIN and not _USER_SPEC.match(spec):
+    if spec not in BUILTIN and not user_code.SPEC.match(spec):
         raise UserError(f"--model must be {', '.join(BUILTIN)} or package.module:function (a "
                         f"function that builds your model), got {spec!r}")
     return spec
+
+
+CNN_MIN_SIDE = 16  # two 5x5 convolutions, each followed by a 2x2 pool, leave 1 pixel of 16
+
+
+def check_builtin_input(spec: str, input_shape: tuple[int, int, int]) -> None:
+    """The built-in CNN needs images of at least 16 x 16 pixels (``input_shape`` channels last);
+    said before the framework tries, whose errors differ (Keras raises while building)."""
+    height, width, _ = input_shape
+    if spec == "cnn" and min(height, width) < CNN_MIN_SIDE:
+        raise UserError(f"--model cnn needs images of at least {CNN_MIN_SIDE}x{CNN_MIN_SIDE} pixels "
+                        f"(two 5x5 convolutions and 2x2 pools), the data's are {height}x{width}; "
+                        f"use --image-size, --model mlp or your own --model")
 
 
 def model_name(spec: str, dataset_name: str) -> str:
@@ -39,34 +50,12 @@ def model_name(spec: str, dataset_name: str) -> str:
     return f"{dataset_name}-{spec}-v1" if spec in BUILTIN else spec
 
 
-def user_builder(spec: str) -> Callable[..., Any]:
-    """Import ``package.module`` and return its ``function``, or one line saying what is wrong."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise UserError(f"--model {spec}: cannot import {module_name} ({err}); put its package on "
-                        f"PYTHONPATH (every host, every rank) or install it") from None
-    except Exception as err:  # the user's module raised while importing
-        raise UserError(f"--model {spec}: importing {module_name} failed: "
-                        f"{type(err).__name__}: {one_line(err)}") from None
-    if not hasattr(module, attr):
-        raise UserError(f"--model {spec}: {module_name} has no attribute {attr!r}")
-    builder = getattr(module, attr)
-    if not callable(builder):
-        raise UserError(f"--model {spec}: {module_name}.{attr} is a {type(builder).__name__}, "
-                        f"not a function that builds a model")
-    return builder
-
-
 def call_builder(spec: str, input_shape: tuple[int, ...], num_classes: int) -> Any:
-    builder = user_builder(spec)
-    try:
-        return builder(input_shape=input_shape, num_classes=num_classes)
-    except Exception as err:
-        raise UserError(f"--model {spec}: calling it as {spec.partition(':')[2]}(input_shape="
-                        f"{input_shape}, num_classes={num_classes}) failed: "
-                        f"{type(err).__name__}: {one_line(err)}") from None
+    """The user's builder called with the keyword arguments it accepts of ``input_shape`` and
+    ``num_classes`` (``torchvision.models.resnet18`` takes ``num_classes`` only)."""
+    builder = user_code.import_function("--model", spec, "builds a model")
+    return user_code.call("--model", spec, builder,
+                          {"input_shape": input_shape, "num_classes": num_classes})
 
 
 def wrong_type(spec: str, model: Any, framework: str, wanted: str) -> UserError:
@@ -92,12 +81,7 @@ def check_forward(spec: str, shape: tuple[int, ...], num_classes: int,
         out = forward()
     except Exception as err:
         raise UserError(f"--model {spec}: a forward pass on a batch of shape {(2, *shape)} failed: "
-                        f"{type(err).__name__}: {one_line(err)}") from None
+                        f"{type(err).__name__}: {user_code.one_line(err)}") from None
     if not hasattr(out, "shape"):
         raise UserError(f"--model {spec} returns a {type(out).__name__}, not a tensor of logits")
     check_output(spec, shape, tuple(out.shape), num_classes)
-
-
-def one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return text if len(text) <= 200 else text[:197] + "..."

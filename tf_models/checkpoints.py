@@ -11,6 +11,7 @@ import json
 import keras
 import numpy as np
 
+from ringtrain.data.dataset import DataInfo
 from ringtrain.errors import UserError
 from ringtrain.output import checkpoint
 
@@ -24,7 +25,7 @@ def rng_variables(net: keras.Model) -> list:
 
 
 def save(path_dir: str, epoch: int, net: keras.Model, optimizer, model_name: str,
-         param_count: int, args: argparse.Namespace) -> None:
+         param_count: int, args: argparse.Namespace, data: DataInfo) -> None:
     """One ``.npz``: ``model_NNNN`` (weights in model order), ``optimizer_NNNN`` (iteration
     counter, momentum slots), ``rng_NNNN`` (rank 0's dropout seed state) and ``meta``, the JSON
     of :func:`ringtrain.output.checkpoint.metadata` plus ``weight_keys``, the names of the weight
@@ -34,7 +35,8 @@ def save(path_dir: str, epoch: int, net: keras.Model, optimizer, model_name: str
                               ("rng", rng_variables(net))):
         for i, var in enumerate(variables):
             arrays[f"{prefix}_{i:04d}"] = np.asarray(var.numpy())
-    meta = checkpoint.metadata("tf", model_name, param_count, epoch, checkpoint.config_of(args))
+    meta = checkpoint.metadata("tf", model_name, param_count, epoch, checkpoint.config_of(args),
+                               data.record())
     meta["weight_keys"] = [f"model_{i:04d}" for i in range(len(net.weights))]
     arrays["meta"] = np.array(json.dumps(meta))
     buf = io.BytesIO()
@@ -72,11 +74,12 @@ def read(path) -> tuple[object, dict]:
     return meta, arrays
 
 
-def restore(path_dir: str, net: keras.Model, optimizer, model_name: str, param_count: int) -> int:
+def restore(path_dir: str, net: keras.Model, optimizer, model_name: str, param_count: int,
+            data: DataInfo) -> int:
     """Restore rank 0's model/optimizer from the newest intact checkpoint; return its epoch (0 if
     there is none)."""
     found = checkpoint.restore_newest(path_dir, EXT, read, framework="tf", model=model_name,
-                                      param_count=param_count)
+                                      param_count=param_count, data=data.record())
     if found is None:
         return 0
     epoch, arrays = found

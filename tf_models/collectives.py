@@ -19,3 +19,14 @@ VERSIONS = {"tensorflow": tf.__version__, "keras": keras.__version__, "horovod":
 COLLECTIVES = Collectives(sum=lambda values, name: allreduce_sums(values, name=name).tolist(),
                           broadcast_object=hvd.broadcast_object,
                           allgather_object=hvd.allgather_object)
+
+
+def average_statistics(net: keras.Model) -> None:
+    """Average the model's non-trainable float weights (BatchNorm's moving mean and variance)
+    over the ranks, in place: Horovod never syncs them, and each rank's follow its own shard.
+    Called at every epoch's end on every rank; a model without them issues nothing."""
+    stats = [w for w in net.non_trainable_weights if w.dtype in ("float16", "float32", "float64")]
+    if stats:
+        averaged = hvd.grouped_allreduce([w.value for w in stats], op=hvd.Average, name="statistics")
+        for w, avg in zip(stats, averaged, strict=True):
+            w.assign(avg)

@@ -17,21 +17,18 @@ import argparse
 
 import horovod.tensorflow as hvd
 import keras
-import numpy as np
 import tensorflow as tf
 from horovod.common.elastic import run_fn
 
 from ringtrain import model_spec
-from ringtrain.data import dataset as datasets
-from ringtrain.data.dataset import model_inputs
-from ringtrain.data.sharding import eval_indices
 from ringtrain.output.summary import Summary
 from ringtrain.runtime import before_init
 from ringtrain.training import elastic, startup
 from ringtrain.training.world import World
 from tf_models import checkpoints, devices
-from tf_models.collectives import COLLECTIVES, VERSIONS
-from tf_models.evaluation import make_eval_sums, make_weights_finite, parameters
+from tf_models.collectives import COLLECTIVES, VERSIONS, average_statistics
+from tf_models.data import open_data
+from tf_models.evaluation import make_batch_sums, make_weights_finite, parameters
 from tf_models.horovod_keras import DistributedModel, ElasticKerasState, peer_failures_roll_back
 from tf_models.model import build
 
@@ -43,25 +40,22 @@ def train(args: argparse.Namespace) -> Summary:
     # Horovod: pin this rank to its share of the cores and its GPU, once for the process's life.
     use_gpu = devices.configure(hvd.local_rank(), hvd.local_size())
     first = startup.begin(args, hvd, COLLECTIVES, use_gpu=use_gpu, elastic=True)
+    # Opened by this worker alone: a collective here would be outside the elastic loop, which a
+    # worker joining mid-run would never be matched with.  Sharded per world below.
+    data = open_data(args, None, hvd.local_size())
     keras.utils.set_random_seed(args.seed + first.rank)  # rank 0's weights win at the first sync
-    dataset = datasets.get()
-    net = build(args.model, dataset, args.dropout, None)  # checked on every rank
+    net = build(args.model, data.info, args.dropout, None)  # checked on every rank
     param_count = net.count_params()
-    model_name = model_spec.model_name(args.model, dataset.name)
+    model_name = model_spec.model_name(args.model, data.info.name)
     if first.rank == 0:
-        startup.check_output_folders(args, param_count)
-    # Read by this worker alone: a broadcast here would be a collective outside the elastic loop,
-    # which a worker joining mid-run would never be matched with.  Sharded per world below.
-    data = datasets.subset(dataset.load(args.data_dir), args)
-    n_train, n_test = len(data.train_labels), len(data.test_labels)
-    train_x, train_y = model_inputs(dataset, data.train_images), data.train_labels
-    test_x, test_y = model_inputs(dataset, data.test_images), data.test_labels
+        startup.check_output_folders(None, args, param_count)
 
     optimizer = keras.optimizers.SGD(learning_rate=args.base_lr, momentum=args.momentum)
     optimizer.build(net.trainable_variables)
     start_epoch = 0
     if args.resume and first.rank == 0:  # the first sync hands rank 0's restored state to all
-        start_epoch = checkpoints.restore(args.checkpoint_dir, net, optimizer, model_name, param_count)
+        start_epoch = checkpoints.restore(args.checkpoint_dir, net, optimizer, model_name, param_count,
+                                          data.info)
     # Horovod: wrap the model: its train step averages the gradients over all ranks (allreduce).
     model = DistributedModel(
         net, backward_passes_per_step=args.backward_passes_per_step,
@@ -70,7 +64,7 @@ def train(args: argparse.Namespace) -> Summary:
     model.compile(optimizer=optimizer)
     # Horovod: the elastic state broadcasts rank 0's weights and optimizer at every (re)start.
     state = ElasticKerasState(net, optimizer, **elastic.initial_state(start_epoch))
-    eval_sums = make_eval_sums(net, dataset.input_shape)
+    batch_sums = make_batch_sums(net, data.info.input_shape)
     weights_finite = make_weights_finite(net)
 
     def run(state) -> Summary:
@@ -85,20 +79,22 @@ def train(args: argparse.Namespace) -> Summary:
         # one issues no allreduce), so a step traced for one worker must not run with two.
         train_step = tf.function(model.train_step, jit_compile=False)
 
-        def step(idx: np.ndarray, lr: float) -> tuple[float, int]:
+        def step(batch, lr: float) -> tuple[float, int]:
+            x, y = batch
             optimizer.learning_rate = lr
             model.loss_tracker.reset_state()
-            train_step((tf.constant(train_x[idx]), tf.constant(train_y[idx])))
-            return float(model.loss_tracker.total.numpy()), len(idx)
+            train_step((tf.constant(x), tf.constant(y)))
+            return float(model.loss_tracker.total.numpy()), len(y)
 
-        eval_idx = eval_indices(n_test, world.rank, world.size)
         ops = elastic.FrameworkOps(
-            step=step, eval_sums=lambda: eval_sums(test_x[eval_idx], test_y[eval_idx]),
+            batches=data.batches, step=step,
+            eval_sums=lambda: data.eval_sums(batch_sums, world.rank, world.size),
+            problem=lambda: data.problem, sync_buffers=lambda: average_statistics(net),
             save_checkpoint=lambda epoch: checkpoints.save(args.checkpoint_dir, epoch, net, optimizer,
-                                                           model_name, param_count, args),
+                                                           model_name, param_count, args, data.info),
             weights_finite=weights_finite, parameters=lambda: parameters(net))
-        return elastic.train_world(state, args, world, ops, n_train=n_train, framework="tf",
-                                   versions=VERSIONS, dataset=dataset.name, param_count=param_count)
+        return elastic.train_world(state, args, world, ops, data=data.info, framework="tf",
+                                   versions=VERSIONS, param_count=param_count)
 
     # Not ``hvd.elastic.run``: Horovod's TF wrapper swallows op errors it does not recognise (see
     # peer_failures_roll_back); run_fn is the loop it wraps, minus that.

@@ -1,5 +1,5 @@
-"""What a run reads from a Keras model besides training it: test sums, whether its weights are
-still numbers, and its weights for the checksums."""
+"""What a run reads from a Keras model besides training it: one batch's test sums, whether its
+weights are still numbers, and its weights for the checksums."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from ringtrain.training.evaluation import EVAL_BATCH
 from tf_models.horovod_keras import sparse_logits_loss
 
 
-def make_eval_sums(net: keras.Model, input_shape: tuple[int, ...]):
-    """``eval_sums(x, y)``: this rank's (test loss sum, correct, count), batch by batch."""
+def make_batch_sums(net: keras.Model, input_shape: tuple[int, ...]):
+    """``batch_sums(x, y)``: one batch's (test loss sum, correct), traced once; the data
+    (:meth:`tf_models.data.TfData.eval_sums`) runs it over this rank's test share."""
 
     @tf.function(input_signature=[tf.TensorSpec([None, *input_shape], tf.float32),
                                   tf.TensorSpec([None], tf.int64)])
@@ -24,16 +24,7 @@ def make_eval_sums(net: keras.Model, input_shape: tuple[int, ...]):
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float64))
         return loss, correct
 
-    def eval_sums(x: np.ndarray, y: np.ndarray) -> list[float]:
-        loss = correct = 0.0
-        for start in range(0, len(x), EVAL_BATCH):
-            batch_loss, batch_correct = batch_sums(x[start:start + EVAL_BATCH],
-                                                   y[start:start + EVAL_BATCH])
-            loss += float(batch_loss)
-            correct += float(batch_correct)
-        return [loss, correct, len(x)]
-
-    return eval_sums
+    return batch_sums
 
 
 def make_weights_finite(net: keras.Model):
@@ -49,7 +40,5 @@ def make_weights_finite(net: keras.Model):
 
 
 def parameters(net: keras.Model) -> list[np.ndarray]:
+    """Every weight, trainable or not (BatchNorm's moving statistics too), in model order."""
     return [w.numpy() for w in net.weights]
-
-
-# --- checkpoints -------------------------------------------------------------------------------

@@ -26,10 +26,10 @@ class FixedRunCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, run: FixedRun, sums: keras.metrics.Metric, *, world: World, k: int,
-                 weights_finite, evaluate, save) -> None:
+                 weights_finite, evaluate, problem, sync_statistics, save) -> None:
         super().__init__()
         self.run, self.sums, self.world, self.k = run, sums, world, k
-        self.weights_finite = weights_finite
+        self.weights_finite, self.problem, self.sync_statistics = weights_finite, problem, sync_statistics
         self.evaluate, self.save = evaluate, save
         self.epoch, self.lr, self.t0, self.seen = 0, 0.0, 0.0, (0.0, 0.0)
 
@@ -53,11 +53,12 @@ class FixedRunCallback(keras.callbacks.Callback):
         self.seen = (total, count)
         if not self.weights_finite():  # identical on every rank: all stop here
             raise divergence.stop(self.world.gather, self.epoch, (batch + 1) // self.k,
-                                  lambda: step_loss)
+                                  lambda: step_loss, self.problem())
         self.run.step_done(self.epoch, (batch + 1) // self.k, loss=step_loss, lr=self.lr,
                            consumed=int(count) * self.world.size)
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         seconds = time.perf_counter() - self.t0
+        self.sync_statistics()  # BatchNorm's statistics, the same on every rank from here
         self.run.end_epoch(self.epoch, train_sums=list(self.totals()), seconds=seconds, lr=self.lr,
-                           evaluate=self.evaluate, save=self.save)
+                           evaluate=self.evaluate, problem=self.problem, save=self.save)

@@ -26,7 +26,6 @@ import keras
 import numpy as np
 
 from ringtrain import model_spec
-from ringtrain.errors import UserError
 
 MNIST_SHAPE = (28, 28, 1)
 
@@ -83,8 +82,9 @@ def build_mlp(dropout: float = 0.5, dtype_policy: str | None = None,
 
 
 def build(spec: str, dataset, dropout: float, dtype_policy: str | None = None) -> keras.Model:
-    """The ``--model spec`` for ``dataset`` (a :class:`ringtrain.data.dataset.Dataset`), checked: a bad
+    """The ``--model spec`` for ``dataset`` (its :class:`ringtrain.data.dataset.DataInfo`), checked: a bad
     spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
+    model_spec.check_builtin_input(spec, dataset.input_shape)
     shape, classes = tuple(dataset.input_shape), dataset.num_classes
     if spec == "cnn":
         model = build_cnn(dropout, dtype_policy, shape, classes)
@@ -99,15 +99,7 @@ def build(spec: str, dataset, dropout: float, dtype_policy: str | None = None) -
 
 
 def check(spec: str, model: keras.Model, shape: tuple[int, ...], num_classes: int) -> None:
-    """One inference call on two zero images (no dropout draws): the output must be
-    ``[2, num_classes]``.  Also builds a subclassed model's variables before the optimizer and
-    the broadcast need them."""
-    try:
-        out = model(np.zeros((2, *shape), np.float32), training=False)
-    except Exception as err:
-        raise UserError(f"--model {spec}: calling the model on a batch of shape {(2, *shape)} "
-                        f"failed: {type(err).__name__}: {model_spec.one_line(err)}") from None
-    if not hasattr(out, "shape"):
-        raise UserError(f"--model {spec}: the model returns a {type(out).__name__}, not a tensor "
-                        f"of logits")
-    model_spec.check_output(spec, shape, tuple(out.shape), num_classes)
+    """One inference call on two zero images (no dropout draws).  Also builds a subclassed
+    model's variables before the optimizer and the broadcast need them."""
+    model_spec.check_forward(spec, shape, num_classes,
+                             lambda: model(np.zeros((2, *shape), np.float32), training=False))

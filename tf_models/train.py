@@ -25,7 +25,6 @@ import keras
 
 from ringtrain import model_spec
 from ringtrain.data import dataset as datasets
-from ringtrain.data.dataset import model_inputs
 from ringtrain.data.sharding import optimizer_steps
 from ringtrain.lr import scaled_lr
 from ringtrain.optimizer_options import distributed_optimizer_options
@@ -35,9 +34,9 @@ from ringtrain.runtime import before_init
 from ringtrain.training import startup
 from ringtrain.training.fixed import FixedRun
 from tf_models import checkpoints, devices
-from tf_models.collectives import COLLECTIVES, VERSIONS
-from tf_models.data import epoch_batches, train_dataset
-from tf_models.evaluation import make_eval_sums, make_weights_finite, parameters
+from tf_models.collectives import COLLECTIVES, VERSIONS, average_statistics
+from tf_models.data import epoch_batches, open_data
+from tf_models.evaluation import make_batch_sums, make_weights_finite, parameters
 from tf_models.fit_callback import FixedRunCallback
 from tf_models.horovod_keras import loss_sums
 from tf_models.model import build
@@ -52,16 +51,15 @@ def train(args: argparse.Namespace) -> Summary:
     world = startup.begin(args, hvd, COLLECTIVES, use_gpu=use_gpu)
     rank, size, k = world.rank, world.size, args.backward_passes_per_step
 
+    data = open_data(args, world, hvd.local_size())  # --data: MNIST, a folder, your own
+    datasets.check_world(args, data.info, size)
     # Different seeds per rank on purpose: the broadcast below, not luck, makes ranks agree.
     keras.utils.set_random_seed(args.seed + rank)
-    dataset = datasets.get()
-    net = build(args.model, dataset, args.dropout, "mixed_float16" if args.amp else None)
+    net = build(args.model, data.info, args.dropout, "mixed_float16" if args.amp else None)
     param_count = net.count_params()  # the model is checked on every rank before any collective
-    model_name = model_spec.model_name(args.model, dataset.name)
-
-    data = startup.load_data(world, args, dataset, param_count)
-    test_x, test_y = model_inputs(dataset, data.test_images), data.test_labels
-    n_train = len(data.train_labels)
+    model_name = model_spec.model_name(args.model, data.info.name)
+    startup.check_output_folders(world, args, param_count)
+    n_train = data.info.train_size
     steps = optimizer_steps(n_train, size, args.batch_size, k, args.max_steps)
 
     # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
@@ -74,7 +72,7 @@ def train(args: argparse.Namespace) -> Summary:
     optimizer = hvd_keras.DistributedOptimizer(optimizer, **distributed_optimizer_options(args, hvd))
     optimizer.build(net.trainable_variables)  # slots exist now: checkpoints and broadcast see them
     start_epoch = startup.resume_epoch(world, args, lambda: checkpoints.restore(
-        args.checkpoint_dir, net, optimizer, model_name, param_count))
+        args.checkpoint_dir, net, optimizer, model_name, param_count, data.info))
     sums = loss_sums()
     # Each micro-batch's loss weighs 1/K, so the K summed gradients are their mean, as in the
     # PyTorch trainer (loss / K) and for every op: Horovod's own average_aggregated_gradients
@@ -83,22 +81,24 @@ def train(args: argparse.Namespace) -> Summary:
                 loss_weights=1.0 / k, metrics=[sums], jit_compile=False)
 
     run = FixedRun(args, world, Progress(args, rank, n_train), framework="tf", versions=VERSIONS,
-                   model_name=model_name, dataset=dataset.name, param_count=param_count,
+                   model_name=model_name, data=data.info, param_count=param_count,
                    target_lr=target_lr, steps=steps, start_epoch=start_epoch)
-    eval_sums = make_eval_sums(net, dataset.input_shape)
+    batch_sums = make_batch_sums(net, data.info.input_shape)
+    evaluate = lambda: data.eval_sums(batch_sums, rank, size)  # noqa: E731
     if start_epoch < args.epochs:
         # Horovod: shard: rank r takes every N-th sample of each epoch's order, the same on all ranks.
         batches = [b for epoch in range(start_epoch + 1, args.epochs + 1)
                    for b in epoch_batches(n_train, rank, size, args, epoch, steps)]
         hooks = FixedRunCallback(run, sums, world=world, k=k, weights_finite=make_weights_finite(net),
-                                 evaluate=lambda: eval_sums(test_x, test_y),
+                                 evaluate=evaluate, problem=lambda: data.problem,
+                                 sync_statistics=lambda: average_statistics(net),
                                  save=lambda e: checkpoints.save(args.checkpoint_dir, e, net, optimizer,
-                                                                 model_name, param_count, args))
+                                                                 model_name, param_count, args,
+                                                                 data.info))
         # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) as fit begins.
         callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0), hooks]
-        net.fit(train_dataset(dataset, data.train_images, data.train_labels, batches),
-                epochs=args.epochs, initial_epoch=start_epoch, steps_per_epoch=steps * k,
-                shuffle=False, verbose=0, callbacks=callbacks)
+        net.fit(data.fit_dataset(batches), epochs=args.epochs, initial_epoch=start_epoch,
+                steps_per_epoch=steps * k, shuffle=False, verbose=0, callbacks=callbacks)
     else:  # resumed at the end: nothing to train, but every rank evaluates rank 0's weights
         hvd.broadcast_variables([*net.weights, *optimizer.variables], root_rank=0)
-    return run.finish(lambda: eval_sums(test_x, test_y), parameters(net))
+    return run.finish(evaluate, parameters(net))

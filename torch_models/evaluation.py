@@ -1,5 +1,5 @@
-"""What a run reads from a PyTorch model besides training it: test sums, whether its weights are
-still numbers, and its parameters for the checksums."""
+"""What a run reads from a PyTorch model besides training it: whether its weights are still
+numbers, and its state for the checksums.  (Test sums come from the data: :mod:`torch_models.data`.)"""
 
 from __future__ import annotations
 
@@ -7,23 +7,6 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-
-from ringtrain.training.evaluation import EVAL_BATCH
-
-
-def eval_sums(model, x: torch.Tensor, y: torch.Tensor) -> list[float]:
-    """This rank's (test loss sum, correct, count), summed on the device and read once."""
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=x.device)
-    with torch.no_grad():
-        for start in range(0, len(x), EVAL_BATCH):
-            logits = model(x[start:start + EVAL_BATCH])
-            target = y[start:start + EVAL_BATCH]
-            totals[0] += F.cross_entropy(logits, target, reduction="sum").double()
-            totals[1] += (logits.argmax(1) == target).sum()
-            totals[2] += len(target)
-    return totals.tolist()
 
 
 def weights_finite(model) -> bool:
@@ -36,4 +19,6 @@ def weights_finite(model) -> bool:
 
 
 def parameters(model) -> list[np.ndarray]:
-    return [p.detach().cpu().numpy() for p in model.parameters()]
+    """The model's floating-point state in ``state_dict`` order: the parameters and the buffers
+    (BatchNorm's running statistics), which must agree across ranks too."""
+    return [t.detach().cpu().numpy() for t in model.state_dict().values() if t.is_floating_point()]

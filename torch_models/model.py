@@ -64,8 +64,9 @@ BUILTIN = {"cnn": MnistCNN, "mlp": MLP}
 
 
 def build(spec: str, dataset, dropout: float) -> nn.Module:
-    """The ``--model spec`` for ``dataset`` (a :class:`ringtrain.data.dataset.Dataset`), checked: a bad
+    """The ``--model spec`` for ``dataset`` (its :class:`ringtrain.data.dataset.DataInfo`), checked: a bad
     spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
+    model_spec.check_builtin_input(spec, dataset.input_shape)
     shape = channels_first(dataset.input_shape)
     if spec in BUILTIN:
         model = BUILTIN[spec](dropout, shape, dataset.num_classes)

@@ -28,9 +28,9 @@ from ringtrain.runtime import before_init
 from ringtrain.training import divergence, startup
 from ringtrain.training.fixed import FixedRun
 from torch_models import checkpoints, devices
-from torch_models.collectives import COLLECTIVES, VERSIONS
-from torch_models.data import to_tensors
-from torch_models.evaluation import eval_sums, parameters, weights_finite
+from torch_models.collectives import COLLECTIVES, VERSIONS, average_buffers
+from torch_models.data import open_data
+from torch_models.evaluation import parameters, weights_finite
 from torch_models.model import build
 
 
@@ -43,18 +43,16 @@ def train(args: argparse.Namespace) -> Summary:
     world = startup.begin(args, hvd, COLLECTIVES, use_gpu=device.type == "cuda")
     rank, size, k = world.rank, world.size, args.backward_passes_per_step
 
+    data = open_data(args, world, device, hvd.local_size())  # --data: MNIST, a folder, your own
+    datasets.check_world(args, data.info, size)
     # Different seeds per rank on purpose: the broadcast below, not luck, makes ranks agree.
     torch.manual_seed(args.seed + rank)
-    dataset = datasets.get()
-    model = build(args.model, dataset, args.dropout).to(device)  # checked on every rank
+    model = build(args.model, data.info, args.dropout).to(device)  # checked on every rank
     param_count = sum(p.numel() for p in model.parameters())
-    model_name = model_spec.model_name(args.model, dataset.name)
-
-    data = startup.load_data(world, args, dataset, param_count)
-    train_x, train_y = to_tensors(dataset, data.train_images, data.train_labels, device)
-    test_x, test_y = to_tensors(dataset, data.test_images, data.test_labels, device)
-    n_train = len(train_y)
-    steps = optimizer_steps(n_train, size, args.batch_size, k, args.max_steps)
+    model_name = model_spec.model_name(args.model, data.info.name)
+    startup.check_output_folders(world, args, param_count)
+    n_train, b = data.info.train_size, args.batch_size
+    steps = optimizer_steps(n_train, size, b, k, args.max_steps)
 
     # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
     target_lr = scaled_lr(args.base_lr, size, args.lr_scaling, args.adasum)
@@ -65,20 +63,20 @@ def train(args: argparse.Namespace) -> Summary:
     # Resume into the wrapped optimizer: DistributedOptimizer builds a new optimizer from the
     # param groups alone, so state loaded before wrapping (the momentum buffers) would be lost.
     start_epoch = startup.resume_epoch(world, args, lambda: checkpoints.restore(
-        args.checkpoint_dir, model, optimizer, model_name, param_count))
+        args.checkpoint_dir, model, optimizer, model_name, param_count, data.info))
     # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) to every rank.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     scaler = torch.amp.GradScaler("cuda") if args.amp else None
 
     run = FixedRun(args, world, Progress(args, rank, n_train), framework="torch", versions=VERSIONS,
-                   model_name=model_name, dataset=dataset.name, param_count=param_count,
+                   model_name=model_name, data=data.info, param_count=param_count,
                    target_lr=target_lr, steps=steps, start_epoch=start_epoch)
     for epoch in range(start_epoch + 1, args.epochs + 1):
         model.train()
         # Horovod: shard: rank r takes every N-th sample of the epoch's order, the same on all ranks.
-        idx = torch.from_numpy(shard_indices(n_train, rank, size, args.seed, epoch,
-                                             shuffle=not args.no_shuffle)).to(device)
+        idx = shard_indices(n_train, rank, size, args.seed, epoch, shuffle=not args.no_shuffle)
+        batches = data.epoch([idx[i * b:(i + 1) * b] for i in range(steps * k)])
         loss_sum, images = torch.zeros((), dtype=torch.float64, device=device), 0
         t0 = time.perf_counter()
         for step in range(steps):
@@ -87,14 +85,14 @@ def train(args: argparse.Namespace) -> Summary:
                 group["lr"] = lr
             optimizer.zero_grad()
             step_loss, step_images = 0.0, 0
-            for micro in range(k):
-                b = idx[(step * k + micro) * args.batch_size:][: args.batch_size]
+            for _ in range(k):
+                x, y = next(batches)
                 with torch.autocast("cuda", enabled=scaler is not None):
-                    loss = F.cross_entropy(model(train_x[b]), train_y[b])
+                    loss = F.cross_entropy(model(x), y)
                 # Sums stay on the device: reading a GPU value every step would stall the GPU.
-                batch_loss = loss.detach().double() * len(b)
+                batch_loss = loss.detach().double() * len(y)
                 loss_sum += batch_loss
-                step_loss, step_images = step_loss + batch_loss, step_images + len(b)
+                step_loss, step_images = step_loss + batch_loss, step_images + len(y)
                 if scaler is not None:
                     scaler.scale(loss / k).backward()
                 else:
@@ -110,12 +108,14 @@ def train(args: argparse.Namespace) -> Summary:
                 optimizer.step()
             if not weights_finite(model):  # identical on every rank: all stop here
                 raise divergence.stop(world.gather, epoch, step + 1,
-                                      lambda s=step_loss, n=step_images: (s / n).item())
+                                      lambda s=step_loss, n=step_images: (s / n).item(), data.problem)
             images += step_images
             run.step_done(epoch, step + 1, lr=lr, consumed=images * size,
                           loss=lambda s=step_loss, n=step_images: (s / n).item())
+        average_buffers(model)  # BatchNorm's statistics, the same on every rank from here
         run.end_epoch(epoch, train_sums=[loss_sum.item(), images], seconds=time.perf_counter() - t0,
-                      lr=lr, evaluate=lambda: eval_sums(model, test_x, test_y),
+                      lr=lr, evaluate=lambda: data.eval_sums(model, rank, size),
+                      problem=lambda: data.problem,
                       save=lambda e: checkpoints.save(args.checkpoint_dir, e, model, optimizer,
-                                                      model_name, param_count, args))
-    return run.finish(lambda: eval_sums(model, test_x, test_y), parameters(model))
+                                                      model_name, param_count, args, data.info))
+    return run.finish(lambda: data.eval_sums(model, rank, size), parameters(model))

@@ -1,87 +1,197 @@
-"""The dataset seam: what a trainer needs to know about its data, and nothing MNIST-specific.
+"""The data seam: what a trainer needs to know about its data, whatever it is (``--data``).
 
-A dataset is an object with the attributes and method of :class:`Dataset`; :mod:`ringtrain.data.mnist`
-provides the one ringtrain ships.  Trainers, the CLI checks and the model builders read the input
-shape, the class count and the training-set size from here, never from a dataset's own module,
-so a second dataset is one new module plus one line in :data:`DATASETS`.
+``--data`` names one of three kinds, each read its own way by the framework's glue
+(:mod:`torch_models.data`, :mod:`tf_models.data`):
 
-Each rank takes its view of the arrays with :func:`rank_view`; loading them in a job (rank 0 alone
-may download, every rank learns its verdict) is :func:`ringtrain.training.startup.load_data`.
+* ``mnist`` (the default): :mod:`ringtrain.data.mnist`, four verified arrays held in memory on
+  every rank (47 MB), as ringtrain always has: an :class:`ArrayData`.
+* ``folder:DIR``: an image folder (:mod:`ringtrain.data.folder`), indexed once and decoded per
+  batch while training: a :class:`FolderData`.
+* ``package.module:function``: the user's own dataset (:mod:`ringtrain.data.user_data`), built by
+  the framework's glue, which alone can check what the function returns.
+
+Whatever the kind, a run knows it by its :class:`DataInfo`: the input shape and the class count
+the model is built for, the split sizes, the normalisation; summaries and checkpoints record it,
+and ``--resume`` refuses a checkpoint trained on other classes or shapes.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import NamedTuple, Protocol
+import argparse
+import re
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ringtrain.data.sharding import eval_indices
+from ringtrain import user_code
+from ringtrain.data import folder, images, mnist
 from ringtrain.errors import UserError
 
-# name -> module whose ``DATASET`` attribute implements the interface (imported on first use).
-DATASETS = {"mnist": "ringtrain.data.mnist"}
-DEFAULT = "mnist"
+IMAGE_SIZE = re.compile(r"^(\d+)(?:x(\d+))?$")
 
 
-class Arrays(Protocol):
-    """Images ``uint8 [N, ...]`` (any layout that reshapes to ``[N, *input_shape]``), labels
-    ``int64 [N]`` in ``range(num_classes)``."""
+def parse_spec(spec: str) -> tuple[str, str]:
+    """``(kind, what)``: ``("mnist", "")``, ``("folder", DIR)`` or ``("user", "pkg.mod:fn")``.
+    Checked with the other flags, before any framework is imported."""
+    if spec == "mnist":
+        return "mnist", ""
+    if spec.startswith("folder:") and len(spec) > len("folder:"):
+        return "folder", spec[len("folder:"):]
+    if user_code.SPEC.match(spec):
+        return "user", spec
+    raise UserError(f"--data must be mnist, folder:DIR (an image folder with train/ and test/) or "
+                    f"package.module:function (your own dataset), got {spec!r}")
 
-    train_images: np.ndarray
-    train_labels: np.ndarray
-    test_images: np.ndarray
-    test_labels: np.ndarray
+
+def parse_image_size(text: str | None) -> tuple[int, int] | None:
+    """``--image-size``: ``N`` (square) or ``HxW``."""
+    if text is None:
+        return None
+    m = IMAGE_SIZE.match(text)
+    if not m or int(m.group(1)) < 1 or int(m.group(2) or 1) < 1:
+        raise UserError(f"--image-size must be N or HxW in pixels (e.g. 64 or 96x128), got {text!r}")
+    return int(m.group(1)), int(m.group(2) or m.group(1))
 
 
-class Dataset(Protocol):
-    name: str  # recorded in summaries and in the built-in models' names ("mnist-cnn-v1")
+@dataclass(frozen=True)
+class Normalization:
+    """``x = (pixel / 255 - mean[c]) / std[c]`` per channel, in float32; ``source`` says where
+    the constants come from."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    source: str
+
+    def apply(self, pixels: np.ndarray) -> np.ndarray:
+        """uint8 ``[..., C]`` -> float32, in place in one copy, the operations in the same order
+        as MNIST's (so that a one-channel folder of MNIST's pixels gives MNIST's inputs)."""
+        out = pixels.astype(np.float32)
+        out /= 255.0
+        out -= np.asarray(self.mean, np.float32)
+        out /= np.asarray(self.std, np.float32)
+        return out
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    spec: str  # --data as given
+    name: str  # in summaries and the built-in models' names ("mnist-cnn-v1")
     input_shape: tuple[int, int, int]  # one example, channels last: (height, width, channels)
-    num_classes: int  # models map an input to this many logits
-    train_size: int  # the full training set (bounds --train-samples before anything starts)
-    # Normalisation: x = (pixel / 255 - mean) / std, in float32.  ``normalize`` applies it in
-    # numpy; the TensorFlow input pipeline applies the same constants in graph ops.
-    mean: float
-    std: float
+    num_classes: int
+    classes: tuple[str, ...] | None  # the class names, where the data has them
+    train_size: int  # images this run trains on (after --train-samples)
+    test_size: int
+    normalization: Normalization | None  # None: the user's data arrives normalised
 
-    def load(self, data_dir: str | None = None, download: bool = True) -> Arrays:
-        """The four arrays, verified; a problem is one :class:`UserError` line."""
-
-    def normalize(self, images: np.ndarray) -> np.ndarray:
-        """uint8 images -> float32 of the same shape."""
-
-
-def get(name: str = DEFAULT) -> Dataset:
-    if name not in DATASETS:
-        raise UserError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
-    return importlib.import_module(DATASETS[name]).DATASET
+    def record(self) -> dict[str, Any]:
+        """What summaries and checkpoints keep (plain types only)."""
+        norm = self.normalization
+        return {"spec": self.spec, "input_shape": list(self.input_shape),
+                "num_classes": self.num_classes,
+                "classes": list(self.classes) if self.classes is not None else None,
+                "train_size": self.train_size, "test_size": self.test_size,
+                "normalization": None if norm is None else {"mean": list(norm.mean),
+                                                            "std": list(norm.std),
+                                                            "source": norm.source}}
 
 
-def model_inputs(dataset: Dataset, images: np.ndarray) -> np.ndarray:
-    """Normalised float32 ``[N, *input_shape]`` (channels last) from uint8 images."""
-    return dataset.normalize(images).reshape(len(images), *dataset.input_shape)
+MNIST_NORMALIZATION = Normalization((mnist.PIXEL_MEAN,), (mnist.PIXEL_STD,),
+                                    "MNIST's usual constants (pytorch/examples)")
 
 
-class RankData(NamedTuple):
-    """The arrays one rank trains and evaluates on (uint8 images)."""
+def mnist_info(train_size: int = mnist.TRAIN_SIZE, test_size: int = mnist.TEST_SIZE) -> DataInfo:
+    return DataInfo("mnist", "mnist", (28, 28, 1), 10, tuple(str(i) for i in range(10)),
+                    train_size, test_size, MNIST_NORMALIZATION)
 
+
+@dataclass(frozen=True)
+class ArrayData:
+    """A dataset held in memory (MNIST): uint8 images ``[N, H, W]`` or ``[N, H, W, C]``."""
+
+    info: DataInfo
     train_images: np.ndarray
     train_labels: np.ndarray
     test_images: np.ndarray
     test_labels: np.ndarray
 
-
-def subset(data: Arrays, args) -> RankData:
-    """The first ``--train-samples`` training and ``--test-samples`` test images, unsharded (an
-    elastic job shards them per world; training data is sharded per epoch)."""
-    n_train = args.train_samples or len(data.train_labels)
-    n_test = min(args.test_samples or len(data.test_labels), len(data.test_labels))
-    return RankData(data.train_images[:n_train], data.train_labels[:n_train],
-                    data.test_images[:n_test], data.test_labels[:n_test])
+    def inputs(self, images_u8: np.ndarray) -> np.ndarray:
+        """Normalised float32 ``[N, *input_shape]`` (channels last), MNIST's way."""
+        return mnist.normalize(images_u8).reshape(len(images_u8), *self.info.input_shape)
 
 
-def rank_view(data: Arrays, args, rank: int, world_size: int) -> RankData:
-    """:func:`subset`, with this rank's strided share of the test images."""
-    view = subset(data, args)
-    test_idx = eval_indices(len(view.test_labels), rank, world_size)
-    return view._replace(test_images=view.test_images[test_idx], test_labels=view.test_labels[test_idx])
+@dataclass(frozen=True)
+class FolderData:
+    """An image folder: its index, decoded per batch by :meth:`batch`."""
+
+    info: DataInfo
+    index: folder.FolderIndex
+
+    def split(self, name: str) -> folder.Split:
+        return self.index.train if name == "train" else self.index.test
+
+    def batch(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, str | None]:
+        """Normalised float32 ``[B, H, W, C]``, int64 labels, and the first problem met (a file
+        that does not decode): its image is NaN, which ends the run at this step on every rank
+        (:mod:`ringtrain.training.divergence`), naming the file."""
+        part = self.split(split)
+        shape = self.info.input_shape
+        pixels = np.empty((len(indices), *shape), np.uint8)
+        problem, bad = None, []
+        for row, i in enumerate(indices):
+            try:
+                pixels[row] = images.load(part.path(int(i)), shape)
+            except images.ImageError as err:
+                problem = problem or f"{err.path} is not a readable image ({err.reason})"
+                bad.append(row)
+        x = self.info.normalization.apply(pixels)
+        x[bad] = np.nan
+        return x, part.labels[indices], problem
+
+
+def open_builtin(args: argparse.Namespace, download: bool = True) -> ArrayData | FolderData | None:
+    """The data of ``--data mnist`` or ``folder:DIR`` (None for a user's function, which the
+    framework's glue opens).  MNIST may be downloaded; a folder is scanned and its pixel
+    statistics computed.  Every problem is one :class:`UserError` line."""
+    kind, what = parse_spec(args.data)
+    if kind == "mnist":
+        arrays = mnist.load(args.data_dir, download=download)
+        n_train = args.train_samples or len(arrays.train_labels)
+        n_test = min(args.test_samples or len(arrays.test_labels), len(arrays.test_labels))
+        info = mnist_info(n_train, n_test)
+        return ArrayData(info, arrays.train_images[:n_train], arrays.train_labels[:n_train],
+                         arrays.test_images[:n_test], arrays.test_labels[:n_test])
+    if kind == "user":
+        return None
+    index = folder.scan(what, parse_image_size(args.image_size))
+    if args.train_samples is not None and args.train_samples > len(index.train.labels):
+        raise UserError(f"--train-samples {args.train_samples} is more than the "
+                        f"{len(index.train.labels)} training images of --data {args.data}; lower "
+                        f"it or drop it")
+    index = folder.FolderIndex(index.root, index.classes, index.train.subset(args.train_samples),
+                               index.test.subset(args.test_samples), index.shape)
+    if args.normalize == "imagenet":
+        mean, std = folder.IMAGENET
+        if index.shape[2] == 1:  # one channel: the luminance-weighted ImageNet constants
+            mean, std = (round(sum(mean) / 3, 6),), (round(sum(std) / 3, 6),)
+        norm = Normalization(mean, std, "ImageNet's (--normalize imagenet)")
+    else:
+        mean, std = folder.pixel_stats(index.train, index.shape)
+        sample = min(folder.STATS_SAMPLE, len(index.train.labels))
+        norm = Normalization(mean, std, f"computed from {sample} training images")
+    info = DataInfo(args.data, "folder", index.shape, len(index.classes), index.classes,
+                    len(index.train.labels), len(index.test.labels), norm)
+    return FolderData(info, index)
+
+
+def check_world(args: argparse.Namespace, info: DataInfo, world_size: int) -> None:
+    """Every rank needs at least one training image (the shards are equal, trimmed)."""
+    if info.train_size >= world_size:
+        return
+    if args.train_samples is not None:
+        raise UserError(f"--train-samples {info.train_size} is smaller than the world size "
+                        f"{world_size}: every rank needs at least one image; raise it or run fewer "
+                        f"processes")
+    raise UserError(f"--data {info.spec} has {info.train_size} training image(s), fewer than the "
+                    f"world size {world_size}: every rank needs at least one; add images or run "
+                    f"fewer processes")

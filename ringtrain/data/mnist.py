@@ -1,7 +1,6 @@
 """MNIST from the four canonical IDX ``.gz`` files, shared by both frameworks.
 
-:data:`DATASET` is MNIST behind the dataset seam (:mod:`ringtrain.data.dataset`); nothing else in
-ringtrain imports this module's constants.
+:func:`ringtrain.data.dataset.open_builtin` opens it for ``--data mnist`` (the default).
 
 Both trainers read the same bytes through this module so that, for the same seed and epoch, they
 see the same images in the same order.  Files are verified by MD5 before parsing: a half-downloaded
@@ -167,24 +166,3 @@ def normalize(images: np.ndarray) -> np.ndarray:
     out -= PIXEL_MEAN
     out /= PIXEL_STD
     return out
-
-
-@dataclass(frozen=True)
-class MnistDataset:
-    """MNIST behind the :class:`ringtrain.data.dataset.Dataset` interface (the trainers' only view of it)."""
-
-    name: str = "mnist"
-    input_shape: tuple[int, int, int] = (28, 28, 1)
-    num_classes: int = 10
-    train_size: int = TRAIN_SIZE
-    mean: float = PIXEL_MEAN
-    std: float = PIXEL_STD
-
-    def load(self, data_dir: str | os.PathLike | None = None, download: bool = True) -> Mnist:
-        return load(data_dir, download)
-
-    def normalize(self, images: np.ndarray) -> np.ndarray:
-        return normalize(images)
-
-
-DATASET = MnistDataset()

@@ -72,3 +72,10 @@ def optimizer_steps(num_samples: int, world_size: int, batch_size: int, backward
                         f"--backward-passes-per-step {backward_passes}; use more data or a smaller batch")
     steps = batches // backward_passes
     return min(steps, max_steps) if max_steps else steps
+
+
+def fixed_sample(total: int, n: int) -> np.ndarray:
+    """``n`` of ``range(total)`` drawn once with a fixed seed, in ascending order: the same on
+    every rank and every run (``--train-samples`` of a folder or the user's data, the images the
+    normalisation is computed from)."""
+    return np.sort(np.random.default_rng(0).permutation(total)[:n])

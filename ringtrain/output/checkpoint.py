@@ -105,7 +105,8 @@ def check_archive(path: Path) -> None:
 
 
 def restore_newest(directory: str | os.PathLike, ext: str, read: Callable[[Path], tuple[Any, Any]],
-                   *, framework: str, model: str, param_count: int) -> tuple[int, Any] | None:
+                   *, framework: str, model: str, param_count: int,
+                   data: dict[str, Any] | None = None) -> tuple[int, Any] | None:
     """``(epoch, payload)`` of the newest usable checkpoint, or None when the folder has none.
 
     ``read(path)`` returns ``(metadata, payload)``; it raises :class:`Damaged` for an incomplete
@@ -120,7 +121,7 @@ def restore_newest(directory: str | os.PathLike, ext: str, read: Callable[[Path]
         except Damaged as err:
             damaged.append((path, err))
             continue
-        epoch = check_metadata(meta, path, framework, model, param_count)
+        epoch = check_metadata(meta, path, framework, model, param_count, data)
         if damaged:
             which = "; ".join(f"{p.name} is damaged ({err})" for p, err in damaged)
             sys.stderr.write(f"warning: checkpoint {which}; resuming from {path.name}, the newest "
@@ -173,14 +174,41 @@ def config_of(args) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k not in ("resume", "no_progress")}
 
 
-def metadata(framework: str, model: str, param_count: int, epoch: int,
-             config: dict[str, Any]) -> dict[str, Any]:
+def metadata(framework: str, model: str, param_count: int, epoch: int, config: dict[str, Any],
+             data: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Plain types only (``torch.load(weights_only=True)`` reads nothing else); ``data`` is the
+    run's :meth:`ringtrain.data.dataset.DataInfo.record`."""
     return {"format_version": FORMAT_VERSION, "framework": framework, "model": model,
-            "param_count": param_count, "epoch": epoch, "config": config}
+            "param_count": param_count, "epoch": epoch, "config": config, "data": data}
 
 
-def check_metadata(meta: Any, path: Path, framework: str, model: str, param_count: int) -> int:
-    """Return the checkpoint's epoch, or raise one clear line on any mismatch."""
+# What checkpoints written before --data existed were trained on.
+_MNIST_RECORD = {"spec": "mnist", "input_shape": [28, 28, 1], "num_classes": 10,
+                 "classes": [str(i) for i in range(10)], "normalization": None}
+
+
+def _data_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """What makes a checkpoint's data unlike this run's, or None."""
+    if saved.get("num_classes") != current.get("num_classes"):
+        return f"{saved.get('num_classes')} classes there, {current.get('num_classes')} here"
+    if list(saved.get("input_shape") or []) != list(current.get("input_shape") or []):
+        return f"input shape {tuple(saved.get('input_shape') or [])} there, " \
+               f"{tuple(current.get('input_shape') or [])} here"
+    theirs, ours = saved.get("classes"), current.get("classes")
+    if theirs is not None and ours is not None and list(theirs) != list(ours):
+        return f"classes {', '.join(theirs[:4])}... there, {', '.join(ours[:4])}... here"
+    ours, theirs = current.get("normalization"), saved.get("normalization")
+    if ours and theirs and (theirs["mean"], theirs["std"]) != (ours["mean"], ours["std"]):
+        return (f"normalisation mean {theirs['mean']} std {theirs['std']} there, mean "
+                f"{ours['mean']} std {ours['std']} here (--normalize, --image-size, "
+                f"--train-samples as then)")
+    return None
+
+
+def check_metadata(meta: Any, path: Path, framework: str, model: str, param_count: int,
+                   data: dict[str, Any] | None = None) -> int:
+    """Return the checkpoint's epoch, or raise one clear line on any mismatch (the data before
+    the model: another class count changes the model's size too, and the data is the cause)."""
     if not isinstance(meta, dict) or "format_version" not in meta:
         raise UserError(f"{path} is not a ringtrain checkpoint; remove it or pick another folder")
     version = meta["format_version"]
@@ -191,6 +219,13 @@ def check_metadata(meta: Any, path: Path, framework: str, model: str, param_coun
     if version != FORMAT_VERSION:
         raise UserError(f"{path} has checkpoint format {version!r}, this version "
                         f"reads {FORMAT_VERSION}; start a fresh --checkpoint-dir")
+    if meta.get("framework") == framework and data is not None:
+        saved = meta.get("data") or _MNIST_RECORD
+        why = _data_mismatch(saved, data)
+        if why:
+            raise UserError(f"{path} was trained on --data {saved.get('spec')}, this run's --data "
+                            f"{data['spec']} differs ({why}); resume with the same data or use "
+                            f"another --checkpoint-dir")
     for key, want in (("framework", framework), ("model", model), ("param_count", param_count)):
         if meta.get(key) != want:
             fix = "the matching trainer"

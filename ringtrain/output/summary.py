@@ -65,6 +65,7 @@ class Summary:
     elastic_resizes: list[dict[str, Any]] | None = None  # (epoch, sample, world size) changes
     model: str = "cnn"  # --model: a built-in name or the user's package.module:function
     dataset: str = "mnist"
+    data: dict[str, Any] | None = None  # --data: spec, input shape, classes, sizes, normalisation
     host: dict[str, Any] = field(default_factory=lambda: {
         "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()})
 

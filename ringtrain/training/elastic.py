@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from ringtrain.data.dataset import DataInfo
 from ringtrain.data.sharding import optimizer_steps, remaining_shard
 from ringtrain.errors import UserError
 from ringtrain.faults import watchdog
@@ -80,25 +81,28 @@ def initial_state(start_epoch: int = 0) -> dict[str, Any]:
 class FrameworkOps(NamedTuple):
     """What the shared loop needs from a framework, for the current world."""
 
-    step: Callable[[np.ndarray, float], tuple[float, int]]  # (this rank's indices, lr) -> (loss sum, n)
-    eval_sums: Callable[[], Sequence[float]]  # this rank's test (loss sum, correct, count)
+    batches: Callable[[Sequence[np.ndarray]], Iterator[Any]]  # index batches -> their data
+    step: Callable[[Any, float], tuple[float, int]]  # (one step's batch, lr) -> (loss sum, images)
+    eval_sums: Callable[[], Sequence[float]]  # this rank's test (loss sum, correct, count, problems)
+    problem: Callable[[], str | None]  # the first data problem this rank met
+    sync_buffers: Callable[[], None]  # BatchNorm's statistics averaged over ranks (a collective)
     save_checkpoint: Callable[[int], None]  # rank 0, after each epoch
     weights_finite: Callable[[], bool]  # every parameter a finite number (identical on all ranks)
     parameters: Callable[[], Iterable[np.ndarray]]  # for the checksums at the end
 
 
-def train_world(state, args, world: World, ops: FrameworkOps, *, n_train: int, framework: str,
-                versions: dict[str, str], dataset: str, param_count: int) -> Summary:
+def train_world(state, args, world: World, ops: FrameworkOps, *, data: DataInfo, framework: str,
+                versions: dict[str, str], param_count: int) -> Summary:
     """One world of an elastic job, from ``state``'s committed position to the end of the run.
 
     Called again after every membership change, with ``state`` restored to its last commit and
     synced from rank 0: everything that depends on the world size is derived here, from
     ``world``, never carried over.
     """
-    progress = Progress(args, world.rank, n_train)
-    test = run_epochs(state, args, world, progress, ops, n_train)
+    progress = Progress(args, world.rank, data.train_size)
+    test = run_epochs(state, args, world, progress, ops, data.train_size)
     summary = summaries.new_summary(args, world, framework=framework, versions=versions,
-                                    param_count=param_count, dataset=dataset,
+                                    param_count=param_count, data=data,
                                     **summary_fields(state, args, world.size))
     return summaries.finish(world, progress, args, summary, test=test,
                             train_seconds=state.train_seconds, images_seen=state.images_seen,
@@ -126,14 +130,15 @@ def run_epochs(state, args, world: World, progress: Progress, ops: FrameworkOps,
         if args.max_steps:
             steps = max(0, min(steps, args.max_steps - state.epoch_steps))
         done_before, pending, lr = state.epoch_steps, [0.0, 0.0], target_lr
+        batches = ops.batches([shard[s * batch * k:][:batch * k] for s in range(steps)])
         for step in range(steps):
             lr = lr_at(epoch_progress(epoch, state.consumed, n_train, world.size, batch, k,
                                       args.max_steps),
                        args.base_lr, target_lr, args.warmup_epochs, args.epochs, args.lr_decay)
-            loss_sum, used = ops.step(shard[step * batch * k:][:batch * k], lr)
+            loss_sum, used = ops.step(next(batches), lr)
             if not ops.weights_finite():  # identical on every rank: all stop here
                 raise divergence.stop(world.gather, epoch, state.epoch_steps + 1,
-                                      lambda s=loss_sum, n=used: s / max(n, 1))
+                                      lambda s=loss_sum, n=used: s / max(n, 1), ops.problem())
             pending = [pending[0] + loss_sum, pending[1] + used]
             state.consumed += used * world.size  # a strided prefix per rank is a prefix of the order
             state.epoch_steps += 1
@@ -144,7 +149,8 @@ def run_epochs(state, args, world: World, progress: Progress, ops: FrameworkOps,
                 pending = _fold(state, pending, world)
                 state.commit()
         _fold(state, pending, world)
-        test = exact_test_metrics(world, ops.eval_sums())
+        ops.sync_buffers()
+        test = exact_test_metrics(world, ops.eval_sums(), ops.problem(), epoch)
         rec = EpochRecord.of(epoch, loss_sum=state.loss_sum[0], images=state.loss_sum[1], test=test,
                              lr=lr, seconds=time.time() - state.epoch_started)
         progress.epoch(rec)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from ringtrain.data.dataset import DataInfo
 from ringtrain.faults import watchdog
 from ringtrain.lr import lr_at
 from ringtrain.output import checkpoint
@@ -25,7 +26,7 @@ from ringtrain.training.world import World
 
 class FixedRun:
     def __init__(self, args: argparse.Namespace, world: World, progress: Progress, *, framework: str,
-                 versions: dict[str, str], model_name: str, dataset: str, param_count: int,
+                 versions: dict[str, str], model_name: str, data: DataInfo, param_count: int,
                  target_lr: float, steps: int, start_epoch: int) -> None:
         self.args, self.world, self.progress = args, world, progress
         self.steps, self.target_lr = steps, target_lr
@@ -33,7 +34,7 @@ class FixedRun:
         global_batch = args.batch_size * world.size * k
         self.summary = summaries.new_summary(
             args, world, framework=framework, versions=versions, param_count=param_count,
-            dataset=dataset, world_size=world.size, batch_size_per_rank=args.batch_size,
+            data=data, world_size=world.size, batch_size_per_rank=args.batch_size,
             global_batch_size=global_batch, base_lr=args.base_lr, effective_lr=target_lr,
             lr_scaling="none (adasum)" if args.adasum else args.lr_scaling,
             resumed_from_epoch=start_epoch or None)
@@ -55,12 +56,15 @@ class FixedRun:
         self.progress.step(epoch, step, self.steps, loss=loss, lr=lr, consumed=consumed)
 
     def end_epoch(self, epoch: int, *, train_sums: Sequence[float], seconds: float, lr: float,
-                  evaluate: Callable[[], Sequence[float]], save: Callable[[int], None]) -> EpochRecord:
+                  evaluate: Callable[[], Sequence[float]], problem: Callable[[], str | None],
+                  save: Callable[[int], None]) -> EpochRecord:
         """On every rank: the exact train loss (this rank's (loss sum, images) summed over ranks),
-        the evaluation, the record, and rank 0's checkpoint ``save``."""
+        the evaluation (which ends every rank if any met a data ``problem``), the record, and
+        rank 0's checkpoint ``save``."""
         loss_sum, images = self.world.sum(train_sums, "train_loss")
-        rec = EpochRecord.of(epoch, loss_sum=loss_sum, images=images,
-                             test=exact_test_metrics(self.world, evaluate()), lr=lr, seconds=seconds)
+        test = exact_test_metrics(self.world, evaluate(), problem(), epoch)
+        rec = EpochRecord.of(epoch, loss_sum=loss_sum, images=images, test=test, lr=lr,
+                             seconds=seconds)
         self.train_seconds += seconds
         self.images_seen += images
         self.summary.epochs.append(rec)
@@ -72,7 +76,8 @@ class FixedRun:
         """The last epoch's test metrics (evaluated now if this run trained no epoch: resumed at or
         past the last one), the checksums, the summary."""
         last = self.summary.epochs[-1] if self.summary.epochs else None
-        test = (last.test_loss, last.test_accuracy) if last else exact_test_metrics(self.world, evaluate())
+        test = (last.test_loss, last.test_accuracy) if last else exact_test_metrics(self.world,
+                                                                                      evaluate())
         return summaries.finish(self.world, self.progress, self.args, self.summary, test=test,
                                 train_seconds=self.train_seconds, images_seen=self.images_seen,
                                 params=params)

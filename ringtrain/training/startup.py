@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import TypeVar
 
 from ringtrain import flags
 from ringtrain.data import dataset as datasets
-from ringtrain.data.dataset import Dataset, RankData
+from ringtrain.data.dataset import ArrayData, FolderData
 from ringtrain.errors import UserError
 from ringtrain.faults import watchdog
 from ringtrain.output import checkpoint, files
 from ringtrain.training.world import Collectives, World
+
+T = TypeVar("T")
 
 
 def begin(args: argparse.Namespace, hvd, collectives: Collectives, *, use_gpu: bool,
@@ -32,30 +35,66 @@ def begin(args: argparse.Namespace, hvd, collectives: Collectives, *, use_gpu: b
     return world
 
 
-def check_output_folders(args: argparse.Namespace, param_count: int) -> None:
+def check_output_folders(world: World | None, args: argparse.Namespace, param_count: int) -> None:
     """Rank 0's folders exist and take writes, the checkpoint folder with room for one checkpoint
-    of a model of ``param_count`` parameters; ``--resume`` needs its folder.  Call on rank 0."""
-    if args.checkpoint_dir:
-        if args.resume:
-            checkpoint.check_resume_folder(args.checkpoint_dir)
-        files.ensure_writable(args.checkpoint_dir, need_bytes=checkpoint.estimated_bytes(
-            param_count, args.momentum))
-    if args.tensorboard:
-        files.ensure_writable(args.tensorboard, "--tensorboard")
+    of a model of ``param_count`` parameters; ``--resume`` needs its folder.  Every rank learns
+    rank 0's verdict (elastic workers pass ``world=None`` and call this on rank 0 alone: no
+    collective outside the elastic loop)."""
+    def check() -> None:
+        if args.checkpoint_dir:
+            if args.resume:
+                checkpoint.check_resume_folder(args.checkpoint_dir)
+            files.ensure_writable(args.checkpoint_dir, need_bytes=checkpoint.estimated_bytes(
+                param_count, args.momentum))
+        if args.tensorboard:
+            files.ensure_writable(args.tensorboard, "--tensorboard")
+
+    if world is None:
+        check()
+    else:
+        world.rank0_verdict(check, None, "output_folders")
 
 
-def load_data(world: World, args: argparse.Namespace, dataset: Dataset, param_count: int) -> RankData:
-    """This rank's data.  Rank 0 alone checks its output folders and may download; every rank
-    learns its verdict, then reads the verified files."""
-    loaded = {}
+def open_data(world: World | None, args: argparse.Namespace) -> ArrayData | FolderData | None:
+    """The run's data for ``--data mnist`` or ``folder:DIR`` (None for the user's own, which the
+    framework's glue opens).
 
-    def rank0() -> None:
-        check_output_folders(args, param_count)
-        loaded["data"] = dataset.load(args.data_dir, download=True)
+    In a fixed job rank 0 opens it first (it may download MNIST; it scans a folder and computes
+    its pixel statistics) and every rank learns its verdict; a folder's index is then broadcast,
+    so every rank shards the same list, and MNIST read by every rank from the verified files.  An
+    elastic worker (``world=None``) opens it alone: a collective outside the elastic loop would
+    never be matched by a worker that joins later.
+    """
+    if world is None:
+        return datasets.open_builtin(args)
+    opened: dict[str, ArrayData | FolderData | None] = {}
 
-    world.rank0_verdict(rank0, None, "data_problem")
-    data = loaded.get("data") or dataset.load(args.data_dir, download=False)
-    return datasets.rank_view(data, args, world.rank, world.size)
+    def rank0() -> FolderData | None:
+        opened["data"] = datasets.open_builtin(args, download=True)
+        return opened["data"] if isinstance(opened["data"], FolderData) else None
+
+    shared = world.rank0_verdict(rank0, None, "data")
+    if world.rank == 0:
+        return opened["data"]
+    return shared if shared is not None else datasets.open_builtin(args, download=False)
+
+
+def every_rank(world: World | None, work: Callable[[], T]) -> T:
+    """``work()`` on every rank; a :class:`UserError` on any of them ends all of them with that
+    line (an allgather with a fixed name, whatever happened), rather than leaving the others in
+    their next collective.  Without a world (an elastic worker) it is just ``work()``."""
+    if world is None:
+        return work()
+    result, problem = None, None
+    try:
+        result = work()
+    except UserError as err:
+        problem = str(err)
+    problems = world.gather(problem, "every_rank")
+    for rank, found in enumerate(problems):
+        if found is not None:
+            raise UserError(found if rank == 0 else f"{found} (rank {rank})")
+    return result
 
 
 def resume_epoch(world: World, args: argparse.Namespace, restore: Callable[[], int]) -> int:
