@@ -47,6 +47,7 @@ class FloorConfig:
     coll_nps: list[int] = field(default_factory=lambda: [2, 4])
     sizes: list[int] = field(default_factory=lambda: [4 ** k * 1024 for k in range(1, 9)])
     controllers: list[str] = field(default_factory=lambda: list(CONTROLLERS))
+    loops: list[str] = field(default_factory=lambda: list(LOOPS))  # fusion, waiting, training
     warmup: int = 3
     reps: int = 30
     budget_s: float = 1.5
@@ -80,9 +81,10 @@ def quick() -> FloorConfig:
 
 
 def smoke() -> FloorConfig:
-    """The smallest run that goes through every cell kind: -np 2, 4 KiB, one step (tests)."""
+    """The smallest run that goes through every cell kind: -np 2, 4 KiB, one step, the 0.28.1
+    loop in the collectives only (tests)."""
     return FloorConfig(quick=True, smoke=True, coll_nps=[2], sizes=[4096], controllers=["mpi"],
-                       warmup=1, reps=1, budget_s=0.1, fusion_nps=[2], fusion_warmup=1,
+                       loops=["patched"], warmup=1, reps=1, budget_s=0.1, fusion_nps=[2], fusion_warmup=1,
                        fusion_steps=1, wait_ops=["torch-allreduce"], wait_late_ms=1.0, wait_reps=1,
                        train_nps=[2], train_rounds=1, train_warmup=1, train_steps=1,
                        trainer_steps=1, timeout_s=300)
@@ -163,9 +165,10 @@ def wait(cfg: FloorConfig, out: Path, op: str, loop: str, np: int = 2) -> dict:
     return rec
 
 
-def training_runs(np: int, round_: int) -> list[tuple[str, Run]]:
+def training_runs(np: int, round_: int, loops: list[str] | None = None) -> list[tuple[str, Run]]:
     """(loop name, run) for one -np in one round; odd rounds put the patched loop first."""
-    order = ["upstream", "patched"] if round_ % 2 == 0 else ["patched", "upstream"]
+    order = [loop for loop in ("upstream", "patched") if loop in (loops or LOOPS)]
+    order = order if round_ % 2 == 0 else order[::-1]
     runs = [(loop, Run("torch", "loop", "horovod", "synthetic", np, label=loop)) for loop in order]
     runs.append(("-", Run("torch", "loop", "ddp", "synthetic", np)))
     runs += [(loop, Run("torch", "trainer", "horovod", "mnist", np, label=loop)) for loop in order]
@@ -178,7 +181,7 @@ def train(cfg: FloorConfig, out: Path) -> list[dict]:
     records = []
     for round_ in range(cfg.train_rounds):
         for np in cfg.train_nps:
-            for loop, run in training_runs(np, round_):
+            for loop, run in training_runs(np, round_, cfg.loops):
                 if loop in LOOPS:  # the trainer and the loop set Open MPI's yield themselves
                     run.env = dict(LOOPS[loop])
                 avg = load()
@@ -195,8 +198,8 @@ def run_part(cfg: FloorConfig, out: Path) -> dict:
             for loop in LOOPS:
                 coll.append(collective(cfg, out, np, "hvd", controller, loop))
         coll.append(collective(cfg, out, np, "mpi4py", "mpi", "-"))
-    fus = [fusion(cfg, out, np, loop) for np in cfg.fusion_nps for loop in LOOPS]
-    waits = [wait(cfg, out, op, loop) for op in cfg.wait_ops for loop in LOOPS]
+    fus = [fusion(cfg, out, np, loop) for np in cfg.fusion_nps for loop in cfg.loops]
+    waits = [wait(cfg, out, op, loop) for op in cfg.wait_ops for loop in cfg.loops]
     training = train(cfg, out)
     return {"config": cfg.to_dict(), "load_average_start": started_load, "load_average_end": load(),
             "collectives": coll, "fusion": fus, "wait": waits, "training": training,
