@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--quick", action="store_true", help="a few minutes: -np 1,2, short runs, proxy accuracy")
+    p.add_argument("--smoke", action="store_true",
+                   help="with --only floor: the smallest run of every cell (-np 2, 4 KiB, one step; "
+                        "what the tests run)")
     p.add_argument("--only", default=",".join(report.DEFAULT_PARTS),
                    help=f"comma-separated parts: {', '.join(PARTS)} "
                         f"(default: {', '.join(report.DEFAULT_PARTS)})")
@@ -85,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--only: unknown part {name!r}; choose from {', '.join(PARTS)}")
         parts.append(name)
 
+    if args.smoke and parts != ["floor"]:
+        print("error: --smoke runs only the floor part; add --only floor", file=sys.stderr)
+        return 2
+
     util.say("describing the machine (cores, memory bandwidth) ...")
     util.write_json(out / "machine.json", machine.describe())
     for part in parts:
@@ -96,15 +103,16 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "cluster":
             data = cluster.run_part(cluster.quick() if args.quick else cluster.full(), out)
         elif part == "floor":
-            data = floor.run_part(floor.quick() if args.quick else floor.full(), out)
+            data = floor.run_part(floor.smoke() if args.smoke else floor.quick() if args.quick
+                                  else floor.full(), out)
         else:
             data = accuracy.run_part(cfg, out, frameworks)
-        data["quick"] = cfg.quick
+        data["quick"] = cfg.quick or args.smoke
         data["started"] = started
         data["machine"] = util.read_json(out / "machine.json")  # the limits its numbers meet
         util.write_json(out / f"{part}.json", data)
 
-    results = merge(out, {"quick": cfg.quick, "started": started, "command": command,
+    results = merge(out, {"quick": cfg.quick or args.smoke, "started": started, "command": command,
                           "duration_s": time.perf_counter() - t0, "config": cfg.to_dict()})
     util.write_json(out / "results.json", results)
     md = report.write(out / "results.json", util.REPO / args.markdown)

@@ -1,64 +1,76 @@
-"""Part ``floor``: can Horovod's ~1.1 ms small-message floor on one host come down without
-hurting training?
+"""Part ``floor``: Horovod's small-message floor on one host, with the patch's background loop
+and with Horovod 0.28.1's (``HOROVOD_UPSTREAM_LOOP=1``), in one run.
 
-Every Horovod collective waits for the background thread's next cycle (``HOROVOD_CYCLE_TIME``,
-1 ms by default: the thread sleeps out the rest of the cycle, ``horovod/common/operations.cc:
-RunLoopOnce``), then negotiates (a bit-vector allreduce when the response cache knows the tensor),
-then runs the MPI call.  This part measures the allreduce of small messages under ``horovodrun
--np 2`` on this host with one setting changed at a time (cycle time, response cache, fusion
-threshold, Horovod's autotuner), against mpi4py's ``Allreduce`` as the reference, then trains the
-bench loop (``bench/torch_loop.py``, synthetic MNIST batches) with the default and with the
-settings that cut the floor, alternating runs, because a shorter cycle wakes the background
-thread more often on cores the training needs.  Nothing is changed in the trainers: the verdict
-says which setting, if any, the measurements support.
+Horovod 0.28.1's background thread sleeps out ``HOROVOD_CYCLE_TIME`` (1 ms) between rounds
+whether or not a tensor waits, and its waiting threads spin on ``std::this_thread::yield()``; the
+project's patch wakes the loop when a tensor is enqueued and lets the waits sleep
+(``horovod/common/loop_waker.h``; docs/horovod-suite.md).  The same build runs both ways, chosen by
+the environment variable, back to back:
+
+* collectives: ``bench/coll_worker.py --impl hvd`` under ``horovodrun`` (MPI controller) and
+  ``horovodrun --gloo``, both loops, against mpi4py's ``Allreduce`` (``mpirun``), 4 KiB-64 MiB,
+  -np 2 and 4;
+* fusion: ``bench/fusion_worker.py``, 20 small gradients per step through
+  ``DistributedOptimizer``: allreduce calls per step, tensors and bytes per call (Horovod's loop
+  counters);
+* waiting: ``bench/wait_worker.py``, a peer 50 ms late: the cores a waiting rank holds (PyTorch's
+  ``synchronize``, TensorFlow's allreduce op and in-place broadcast);
+* training: the real trainer (``launch.torch_mnist``) and the bench loop with both loops, and the
+  DDP loop (``torchrun``, gloo), -np 1, 2 and 4, in rounds whose order alternates.
+
+MPI ranks yield while waiting (``OMPI_MCA_mpi_yield_when_idle=1``), as ``ringtrain/runtime.py``
+sets it when a host's ranks fill its cores.  The load average is recorded before every cell: the
+cores are shared.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import median
 
-from bench import util
+from bench import config, util
+from bench.jobs import Run, execute
+from bench.tables import size
 
 # As the trainers run when a host's ranks fill its cores (ringtrain/runtime.py:
 # configure_mpi_progress; the bench loop sets it itself): without it, a waiting rank busy-polls
 # on the core its peer needs, which on a loaded machine puts tens of ms on every small allreduce.
 YIELD = {"OMPI_MCA_mpi_yield_when_idle": "1"}
-TRAIN_BATCH = 64  # per rank, bench/loopcommon.py's default: what the floor part's training used
-# A setting that takes d ms off one allreduce can save the loop about d ms per step (one fused
-# allreduce per step).  A gain per step far above that is not the floor (run of 2026-11-23 18:00:
-# HOROVOD_CYCLE_TIME=0.3 saved 133 ms per step, 48x its 2.8 ms cut, at load 16.5 while 0.1 saved
-# nothing): the verdict then says so and adopts nothing.
-EXPLAINED = 10
-VARIANTS = [
-    ("default (cycle 1 ms, cache on, fusion 128 MiB)", {}),
-    ("HOROVOD_CYCLE_TIME=0.1", {"HOROVOD_CYCLE_TIME": "0.1"}),
-    ("HOROVOD_CYCLE_TIME=0.3", {"HOROVOD_CYCLE_TIME": "0.3"}),
-    ("HOROVOD_CACHE_CAPACITY=0", {"HOROVOD_CACHE_CAPACITY": "0"}),
-    ("HOROVOD_FUSION_THRESHOLD=0", {"HOROVOD_FUSION_THRESHOLD": "0"}),
-    ("HOROVOD_AUTOTUNE=1", {"HOROVOD_AUTOTUNE": "1"}),
-]
+LOOPS = {"upstream": {"HOROVOD_UPSTREAM_LOOP": "1"}, "patched": {}}  # name -> environment
+CONTROLLERS = ("mpi", "gloo")
+WAIT_OPS = ("torch-allreduce", "tf-allreduce", "tf-broadcast-inplace")
 
 
 @dataclass
 class FloorConfig:
     quick: bool = False
-    np: int = 2
-    sizes: list[int] = field(default_factory=lambda: [4096, 65536, 1 << 20])
-    variants: int = len(VARIANTS)
-    warmup: int = 5
-    reps: int = 40
+    smoke: bool = False
+    coll_nps: list[int] = field(default_factory=lambda: [2, 4])
+    sizes: list[int] = field(default_factory=lambda: [4 ** k * 1024 for k in range(1, 9)])
+    controllers: list[str] = field(default_factory=lambda: list(CONTROLLERS))
+    loops: list[str] = field(default_factory=lambda: list(LOOPS))  # fusion, waiting, training
+    warmup: int = 3
+    reps: int = 30
     budget_s: float = 1.5
-    candidates: int = 2       # settings (best floor first) that get a training check
-    min_cut: float = 0.8      # ... if they cut the smallest message's time below this x default
-    rounds: int = 2           # alternating training rounds
+    fusion_nps: list[int] = field(default_factory=lambda: [2, 4])
+    fusion_layers: int = 10   # 2 tensors each: 20 gradients
+    fusion_width: int = 128
+    fusion_warmup: int = 5
+    fusion_steps: int = 50
+    wait_ops: list[str] = field(default_factory=lambda: list(WAIT_OPS))
+    wait_late_ms: float = 50.0
+    wait_reps: int = 10
+    train_nps: list[int] = field(default_factory=lambda: [1, 2, 4])
+    train_rounds: int = 2
     train_warmup: int = 8
     train_steps: int = 40
-    timeout_s: float = 300
+    trainer_steps: int = 40
+    timeout_s: float = 600
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
+        return asdict(self)
 
 
 def full() -> FloorConfig:
@@ -66,108 +78,179 @@ def full() -> FloorConfig:
 
 
 def quick() -> FloorConfig:
-    return FloorConfig(quick=True, sizes=[4096, 1 << 20], variants=2, reps=15, budget_s=0.7,
-                       candidates=1, rounds=1, train_warmup=3, train_steps=15)
+    return FloorConfig(quick=True, coll_nps=[2], sizes=[4096, 65536, 1 << 20], reps=10, budget_s=0.5,
+                       fusion_nps=[2], fusion_steps=15, wait_reps=3, train_nps=[1, 2], train_rounds=1,
+                       train_warmup=3, train_steps=15, trainer_steps=15, timeout_s=300)
 
 
-def _collective(cfg: FloorConfig, out: Path, label: str, impl: str, env: dict[str, str]) -> dict:
-    work = out / "tmp" / "floor" / label.split(" ")[0].replace("=", "-")
+def smoke() -> FloorConfig:
+    """The smallest run that goes through every cell kind: -np 2, 4 KiB, one step, the 0.28.1
+    loop in the collectives only (tests)."""
+    return FloorConfig(quick=True, smoke=True, coll_nps=[2], sizes=[4096], controllers=["mpi"],
+                       loops=["patched"], warmup=1, reps=1, budget_s=0.1, fusion_nps=[2], fusion_warmup=1,
+                       fusion_steps=1, wait_ops=["torch-allreduce"], wait_late_ms=1.0, wait_reps=1,
+                       train_nps=[2], train_rounds=1, train_warmup=1, train_steps=1,
+                       trainer_steps=1, timeout_s=300)
+
+
+def load() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()]
+
+
+def _job(cfg: FloorConfig, out: Path, name: str, cmd: list[str], env: dict[str, str],
+         result: Path) -> tuple[dict | None, dict]:
+    """Run one cell; (its result JSON or None, the record's common fields)."""
+    work = out / "tmp" / "floor" / name
     work.mkdir(parents=True, exist_ok=True)
-    res_path = work / f"{impl}.json"
-    res_path.unlink(missing_ok=True)
+    result.unlink(missing_ok=True)
+    rec = {"load_average": load()}
+    res = util.run(cmd, env=util.base_env(**YIELD, **env), timeout=cfg.timeout_s, log=work / "output.log")
+    rec["ok"] = res.ok and result.exists()
+    rec["job_seconds"] = round(res.seconds, 1)
+    if not rec["ok"]:
+        rec["error"] = util.tail(res.output, 20)
+        util.say(f"floor {name} FAILED; log: {work / 'output.log'}")
+        return None, rec
+    return util.read_json(result), rec
+
+
+def collective(cfg: FloorConfig, out: Path, np: int, impl: str, controller: str, loop: str) -> dict:
+    """``impl`` hvd (with ``controller`` and ``loop``) or mpi4py: seconds per size."""
+    name = f"coll_{impl}_{controller}_{loop}_np{np}" if impl == "hvd" else f"coll_mpi4py_np{np}"
+    result = out / "tmp" / "floor" / name / "result.json"
     inner = [util.PY, "-m", "bench.coll_worker", "--impl", impl, "--sizes", ",".join(map(str, cfg.sizes)),
              "--warmup", str(cfg.warmup), "--reps", str(cfg.reps), "--budget", str(cfg.budget_s),
-             "--out", str(res_path)]
-    cmd = util.horovodrun(cfg.np, inner) if impl == "hvd" else util.mpirun(cfg.np, inner)
-    util.say(f"floor {label} ({impl}) ...")
-    res = util.run(cmd, env=util.base_env(**YIELD, **env), timeout=cfg.timeout_s, log=work / f"{impl}.log")
-    rec = {"label": label, "env": env, "ok": res.ok and res_path.exists()}
-    if rec["ok"]:
-        rows = util.read_json(res_path)["rows"]
-        rec["seconds"] = {str(r["bytes"]): r["seconds"] for r in rows}
-        util.say(f"floor {label}: " + ", ".join(f"{k} B {v * 1e3:.3f} ms" for k, v in rec["seconds"].items()))
+             "--out", str(result)]
+    if impl == "hvd":
+        cmd, env = util.horovodrun(np, inner, gloo=controller == "gloo"), LOOPS[loop]
     else:
-        rec["error"] = util.tail(res.output, 20)
+        cmd, env = util.mpirun(np, inner), {}
+    util.say(f"floor {name} ...")
+    doc, rec = _job(cfg, out, name, cmd, env, result)
+    rec.update({"impl": "mpi4py" if impl == "mpi4py" else f"horovod-{controller}", "loop": loop, "np": np})
+    if doc:
+        rec["seconds"] = {str(r["bytes"]): r["seconds"] for r in doc["rows"]}
+        util.say(f"floor {name}: " + ", ".join(f"{size(int(k))} {v * 1e3:.3g} ms"
+                                               for k, v in rec["seconds"].items()))
     return rec
 
 
-def _train(cfg: FloorConfig, out: Path, label: str, env: dict[str, str], round_: int) -> dict:
-    work = out / "tmp" / "floor" / f"train-{round_}-{label.split(' ')[0].replace('=', '-')}"
-    work.mkdir(parents=True, exist_ok=True)
-    res_path = work / "loop.json"
-    res_path.unlink(missing_ok=True)
-    inner = [util.PY, "-m", "bench.torch_loop", "--wrapper", "horovod", "--data", "synthetic",
-             "--warmup-steps", str(cfg.train_warmup), "--steps", str(cfg.train_steps),
-             "--batch-size", str(TRAIN_BATCH), "--out", str(res_path)]
-    res = util.run(util.horovodrun(cfg.np, inner), env=util.base_env(**env), timeout=cfg.timeout_s,
-                   log=work / "output.log")
-    ips = util.read_json(res_path)["images_per_second"] if res.ok and res_path.exists() else None
-    util.say(f"floor training {label} round {round_}: {ips and round(ips)} img/s")
-    return {"label": label, "env": env, "round": round_, "images_per_second": ips}
+def fusion(cfg: FloorConfig, out: Path, np: int, loop: str) -> dict:
+    name = f"fusion_{loop}_np{np}"
+    result = out / "tmp" / "floor" / name / "result.json"
+    inner = [util.PY, "-m", "bench.fusion_worker", "--layers", str(cfg.fusion_layers),
+             "--width", str(cfg.fusion_width), "--warmup-steps", str(cfg.fusion_warmup),
+             "--steps", str(cfg.fusion_steps), "--out", str(result)]
+    util.say(f"floor {name} ...")
+    doc, rec = _job(cfg, out, name, util.horovodrun(np, inner), LOOPS[loop], result)
+    rec.update({"loop": loop, "np": np})
+    if doc:
+        rec.update({k: doc[k] for k in ("gradients", "gradient_bytes")})
+        rec["per_rank"] = doc["per_rank"]
+        r0 = doc["per_rank"][0]
+        util.say(f"floor {name}: {r0['allreduce_calls_per_step']:.2f} allreduce calls per step, "
+                 f"{r0['bytes_per_call'] or 0:.0f} bytes per call")
+    return rec
 
 
-def candidates(variants: list[dict], size: int, count: int, min_cut: float) -> list[dict]:
-    """The settings worth a training check: those that cut the smallest message's time below
-    ``min_cut`` x the default's, best first."""
-    base = variants[0]
-    if not base.get("ok"):
-        return []
-    ref = base["seconds"][str(size)]
-    cut = [v for v in variants[1:] if v.get("ok") and v["seconds"][str(size)] < min_cut * ref]
-    return sorted(cut, key=lambda v: v["seconds"][str(size)])[:count]
+def wait(cfg: FloorConfig, out: Path, op: str, loop: str, np: int = 2) -> dict:
+    name = f"wait_{op}_{loop}"
+    result = out / "tmp" / "floor" / name / "result.json"
+    inner = [util.PY, "-m", "bench.wait_worker", "--op", op, "--late-ms", str(cfg.wait_late_ms),
+             "--reps", str(cfg.wait_reps), "--out", str(result)]
+    util.say(f"floor {name} ...")
+    doc, rec = _job(cfg, out, name, util.horovodrun(np, inner), LOOPS[loop], result)
+    rec.update({"op": op, "loop": loop, "np": np})
+    if doc:
+        rec.update({k: doc[k] for k in ("wall_seconds", "cpu_seconds", "cores_busy", "late_ms")})
+        util.say(f"floor {name}: rank 0 held {doc['cores_busy']:.2f} cores for "
+                 f"{doc['wall_seconds'] * 1e3:.0f} ms")
+    return rec
 
 
-def verdict(variants: list[dict], training: list[dict], size: int, step_images: int | None = None) -> str:
-    """Adopt a setting only if every training run with it beat every default run by no more than
-    the floor it cuts can explain (``step_images``: images per step over all ranks, to turn
-    images/s into time per step); reject it if every run lost; otherwise its effect on training is
-    within the noise (not adopted either)."""
-    if not variants or not variants[0].get("ok"):
-        return "The default could not be measured; no verdict."
-    base = variants[0]
-    runs: dict[str, list[float]] = {}
-    for r in training:
-        if r.get("images_per_second"):
-            runs.setdefault(r["label"], []).append(r["images_per_second"])
-    default = runs.get(base["label"], [])
-    parts = []
-    for v in variants[1:]:
-        if v["label"] not in runs:
-            continue
-        mine = runs[v["label"]]
-        cut = base["seconds"][str(size)] - v["seconds"][str(size)]
-        floor = f"{size} B: {base['seconds'][str(size)] * 1e3:.2f} -> {v['seconds'][str(size)] * 1e3:.2f} ms"
-        against = f"median {median(mine):.0f} against {median(default):.0f} images/s" if default else ""
-        if not default:
-            parts.append(f"`{v['label']}` ({floor}): no default training run to compare with.")
-        elif min(mine) > max(default):
-            gain = step_images / median(default) - step_images / median(mine) if step_images else None
-            if gain is not None and cut > 0 and gain > EXPLAINED * cut:
-                parts.append(f"`{v['label']}` ({floor}) trained faster in every run ({against}), but by "
-                             f"{gain * 1e3:.0f} ms per step, {gain / cut:.0f}x the {cut * 1e3:.2f} ms it "
-                             "takes off one allreduce: more than the floor can explain, so not adopted "
-                             "(rerun on a quiet machine).")
-            else:
-                parts.append(f"`{v['label']}` ({floor}) trained faster in every run ({against}): worth "
-                             "setting in the trainers.")
-        elif max(mine) < min(default):
-            parts.append(f"`{v['label']}` ({floor}) trained slower in every run ({against}): not adopted.")
-        else:
-            parts.append(f"`{v['label']}` ({floor}): training within the run-to-run spread ({against}): "
-                         "not adopted, training pays the floor once per step.")
-    return " ".join(parts) if parts else "No setting cut the floor enough to be worth a training check."
+def training_runs(np: int, round_: int, loops: list[str] | None = None) -> list[tuple[str, Run]]:
+    """(loop name, run) for one -np in one round; odd rounds put the patched loop first."""
+    order = [loop for loop in ("upstream", "patched") if loop in (loops or LOOPS)]
+    order = order if round_ % 2 == 0 else order[::-1]
+    runs = [(loop, Run("torch", "loop", "horovod", "synthetic", np, label=loop)) for loop in order]
+    runs.append(("-", Run("torch", "loop", "ddp", "synthetic", np)))
+    runs += [(loop, Run("torch", "trainer", "horovod", "mnist", np, label=loop)) for loop in order]
+    return runs
+
+
+def train(cfg: FloorConfig, out: Path) -> list[dict]:
+    jobs_cfg = config.Config(warmup_steps=cfg.train_warmup, steps=cfg.train_steps,
+                             trainer_steps=cfg.trainer_steps, timeout_s=cfg.timeout_s)
+    records = []
+    for round_ in range(cfg.train_rounds):
+        for np in cfg.train_nps:
+            for loop, run in training_runs(np, round_, cfg.loops):
+                if loop in LOOPS:  # the trainer and the loop set Open MPI's yield themselves
+                    run.env = dict(LOOPS[loop])
+                avg = load()
+                rec = execute(run, jobs_cfg, out / "tmp" / "floor")
+                records.append({**rec, "loop": loop, "round": round_, "load_average": avg})
+    return records
 
 
 def run_part(cfg: FloorConfig, out: Path) -> dict:
-    variants = [_collective(cfg, out, label, "hvd", env) for label, env in VARIANTS[:cfg.variants]]
-    ref = _collective(cfg, out, "mpi4py", "mpi4py", {})
-    smallest = min(cfg.sizes)
-    picked = candidates(variants, smallest, cfg.candidates, cfg.min_cut)
-    training = []
-    if picked:
-        for round_ in range(cfg.rounds):
-            for v in [variants[0], *picked]:
-                training.append(_train(cfg, out, v["label"], v["env"], round_))
-    return {"config": cfg.to_dict(), "np": cfg.np, "sizes": cfg.sizes, "variants": variants,
-            "mpi4py": ref.get("seconds", {}), "training": training,
-            "verdict": verdict(variants, training, smallest, TRAIN_BATCH * cfg.np)}
+    started_load = load()
+    coll = []
+    for np in cfg.coll_nps:
+        for controller in cfg.controllers:
+            for loop in LOOPS:
+                coll.append(collective(cfg, out, np, "hvd", controller, loop))
+        coll.append(collective(cfg, out, np, "mpi4py", "mpi", "-"))
+    fus = [fusion(cfg, out, np, loop) for np in cfg.fusion_nps for loop in cfg.loops]
+    waits = [wait(cfg, out, op, loop) for op in cfg.wait_ops for loop in cfg.loops]
+    training = train(cfg, out)
+    return {"config": cfg.to_dict(), "load_average_start": started_load, "load_average_end": load(),
+            "collectives": coll, "fusion": fus, "wait": waits, "training": training,
+            "summary": summary(coll, training)}
+
+
+# -- what the report quotes (pure) ----------------------------------------------------------------
+
+def seconds_of(coll: list[dict], np: int, impl: str, loop: str) -> dict[str, float]:
+    for rec in coll:
+        if rec.get("ok") and rec["np"] == np and rec["impl"] == impl and rec["loop"] == loop:
+            return rec["seconds"]
+    return {}
+
+
+def train_median(training: list[dict], np: int, kind: str, wrapper: str, loop: str) -> float | None:
+    vals = [r["images_per_second"] for r in training if r.get("ok") and r["np"] == np
+            and r["kind"] == kind and r["wrapper"] == wrapper and r["loop"] == loop]
+    return median(vals) if vals else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def summary(coll: list[dict], training: list[dict]) -> dict:
+    """The issue's targets, from this run's figures: per -np, Horovod MPI (patched) over mpi4py
+    at each size, and per -np of the training runs the patched trainer and loop against DDP and
+    against the upstream loop (medians over rounds)."""
+    out: dict = {"collectives": {}, "training": {}}
+    for np in sorted({r["np"] for r in coll}):
+        ref = seconds_of(coll, np, "mpi4py", "-")
+        cells = {}
+        for loop in LOOPS:
+            hv = seconds_of(coll, np, "horovod-mpi", loop)
+            cells[loop] = {k: ratio(hv.get(k), ref.get(k)) for k in hv}
+        out["collectives"][str(np)] = {"horovod_mpi_over_mpi4py": cells,
+                                       "patched_ms": {k: v * 1e3 for k, v in
+                                                      seconds_of(coll, np, "horovod-mpi", "patched").items()}}
+    for np in sorted({r["np"] for r in training}):
+        ddp = train_median(training, np, "loop", "ddp", "-")
+        row = {"ddp_loop": ddp}
+        for loop in LOOPS:
+            row[f"loop_{loop}"] = train_median(training, np, "loop", "horovod", loop)
+            row[f"trainer_{loop}"] = train_median(training, np, "trainer", "horovod", loop)
+            row[f"loop_{loop}_over_ddp"] = ratio(row[f"loop_{loop}"], ddp)
+            row[f"trainer_{loop}_over_ddp"] = ratio(row[f"trainer_{loop}"], ddp)
+        row["trainer_patched_over_upstream"] = ratio(row["trainer_patched"], row["trainer_upstream"])
+        row["loop_patched_over_upstream"] = ratio(row["loop_patched"], row["loop_upstream"])
+        out["training"][str(np)] = row
+    return out

@@ -27,11 +27,14 @@ class Run:
     np: int
     threads: int = 0  # 0: cores // local ranks
     extra: list[str] = field(default_factory=list)
+    label: str = ""  # a variant of the same run (bench/floor.py: the Horovod loop), in its name
+    env: dict[str, str] = field(default_factory=dict)  # added to the job's environment
 
     @property
     def name(self) -> str:
         suffix = f"-{self.threads}thread" if self.threads else ""
-        return f"{self.framework}/{self.kind}/{self.wrapper}/{self.data}/np{self.np}{suffix}"
+        label = f"~{self.label}" if self.label else ""
+        return f"{self.framework}/{self.kind}/{self.wrapper}/{self.data}/np{self.np}{suffix}{label}"
 
 
 @dataclass
@@ -44,7 +47,7 @@ class Profiling:
 
 
 def _command(run: Run, work: Path, cfg, timeline: str | None) -> tuple[list[list[str]], list[dict]]:
-    env = util.base_env(BENCH_RSS_DIR=str(work / "rss"))
+    env = util.base_env(BENCH_RSS_DIR=str(work / "rss"), **run.env)
     if run.kind == "trainer":
         args = ["--epochs", "2", "--max-steps", str(cfg.trainer_steps), "--test-samples", "1000",
                 "--no-progress", "--metrics-out", str(work / "metrics.json"), *run.extra]
@@ -118,7 +121,7 @@ def execute(run: Run, cfg, out: Path, prof: Profiling | None = None) -> dict[str
     ips = _images_per_second(run, work) if res.ok else None
     rss = sorted((util.read_json(p) for p in (work / "rss").glob("*.json")),
                  key=lambda r: (r["rank"] is None, r["rank"] or 0))
-    record = {"name": run.name, "framework": run.framework, "kind": run.kind,
+    record = {"name": run.name, "label": run.label or None, "framework": run.framework, "kind": run.kind,
               "wrapper": run.wrapper, "data": run.data, "np": run.np, "threads": run.threads or None,
               "ok": res.ok and ips is not None, "images_per_second": ips,
               "rank0_cores_busy": _cores_busy(run, work),

@@ -1,12 +1,12 @@
-"""BENCHMARKS.md's emulated-cluster section (``cluster.json``, :mod:`bench.cluster`) and the
-one-host small-message floor (``floor.json``, :mod:`bench.floor`).  Renders only; the cost model
-is fitted here, from the stored measurements, so re-rendering never re-runs anything."""
+"""BENCHMARKS.md's emulated-cluster section (``cluster.json``, :mod:`bench.cluster`).  Renders
+only; the cost model is fitted here, from the stored measurements, so re-rendering never re-runs
+anything.  (Section 7, the one-host floor: :mod:`bench.report_floor`.)"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench import costmodel, floor, projection
+from bench import costmodel, projection
 from bench.tables import num, pct, size, table, x
 
 ANALYSIS = Path(__file__).with_name("cluster_analysis.md")  # the hand-written reading of section 6
@@ -578,53 +578,6 @@ def projection_table(res: dict, cl: dict) -> list[str]:
             "what is left.", ""]
 
 
-# -- one host: the small-message floor ---------------------------------------------------------------
-
 def loadavg(part: dict) -> str:
     load = (part.get("machine") or {}).get("load_average_at_start")
     return ", ".join(f"{a:.2f}" for a in load) if load else "n/a"
-
-
-def floor_section(res: dict) -> list[str]:
-    fl = res.get("floor")
-    if not fl or not fl.get("variants"):
-        return []
-    quick = res["meta"].get("quick") or fl.get("quick")
-    sizes = fl["sizes"]
-    ref = fl.get("mpi4py", {})
-    base = fl["variants"][0]
-    rows = []
-    for v in fl["variants"]:
-        if not v.get("ok"):
-            rows.append([v["label"], "failed"] + ["n/a"] * (len(sizes) - 1) + ([] if quick else ["n/a"]))
-            continue
-        cells = [f"{v['label']}", *[f"{ms(v['seconds'][str(k)])}" for k in sizes]]
-        if not quick:
-            cells.append(x(v["seconds"][str(sizes[0])] / base["seconds"][str(sizes[0])]))
-        rows.append(cells)
-    if ref:
-        rows.append(["mpi4py Allreduce (reference)", *[ms(ref.get(str(k))) for k in sizes]]
-                    + ([] if quick else ["-"]))
-    m = fl.get("machine") or {}
-    lines = ["## 7. Horovod's small-message floor on one host", "",
-             f"`bench/floor.py`: `bench/coll_worker.py --impl hvd` under `horovodrun -np {fl['np']}` on "
-             f"one host ({m.get('cpu_model', '?')}, {m.get('cores', '?')} cores) with Horovod's "
-             "settings changed one at a time through its environment variables, milliseconds per "
-             "allreduce (median of the slowest rank). MPI ranks yield "
-             "while waiting (`OMPI_MCA_mpi_yield_when_idle=1`), as the trainers set it when a host's "
-             f"ranks fill its cores. Load average at the start: {loadavg(fl)}.", "",
-             table(["setting", *[size(k) for k in sizes]]
-                   + ([] if quick else [f"{size(sizes[0])} vs default"]), rows), ""]
-    train = fl.get("training", [])
-    if train and not quick:
-        by = {}
-        for r in train:
-            by.setdefault(r["label"], []).append(r.get("images_per_second"))
-        trows = [[label, ", ".join(num(v) for v in vals)] for label, vals in by.items()]
-        lines += [f"Training with each candidate, `bench/torch_loop.py --wrapper horovod --data synthetic` "
-                  f"at -np {fl['np']} (the MNIST CNN, 8 gradient tensors fused per step, batch "
-                  f"{floor.TRAIN_BATCH} per rank), in rounds of one run each, the default first: "
-                  "images/s per run, in run order.", "", table(["setting", "images/s"], trows), ""]
-    if train and not quick:  # judged again from the runs, so a stricter rule applies to old data
-        lines += [floor.verdict(fl["variants"], train, min(sizes), floor.TRAIN_BATCH * fl["np"]), ""]
-    return lines

@@ -178,7 +178,7 @@ def test_plots_render(tmp_path):
 
 # -- the emulated cluster's pure parts (bench/costmodel.py, projection.py, report_cluster.py) --------
 
-from bench import costmodel, floor, projection  # noqa: E402
+from bench import costmodel, projection  # noqa: E402
 from bench.coll_worker import iface_bytes  # noqa: E402
 
 
@@ -270,24 +270,6 @@ def test_iface_bytes_reads_proc_net_dev(tmp_path):
     assert iface_bytes("rtceth0", str(dev)) == (7000, 5000)
     with pytest.raises(RuntimeError):
         iface_bytes("eth9", str(dev))
-
-
-def test_floor_verdict_adopts_only_clear_wins():
-    variants = [{"label": "default", "ok": True, "seconds": {"4096": 1.1e-3}},
-                {"label": "fast", "ok": True, "seconds": {"4096": 0.2e-3}},
-                {"label": "same", "ok": True, "seconds": {"4096": 1.05e-3}}]
-    assert [v["label"] for v in floor.candidates(variants, 4096, 2, 0.8)] == ["fast"]
-    training = [{"label": "default", "images_per_second": v} for v in (1000, 1100)]
-    wins = training + [{"label": "fast", "images_per_second": v} for v in (1200, 1150)]
-    assert "worth setting" in floor.verdict(variants, wins, 4096)
-    noise = training + [{"label": "fast", "images_per_second": v} for v in (1050, 1120)]
-    assert "not adopted" in floor.verdict(variants, noise, 4096)
-    loses = training + [{"label": "fast", "images_per_second": v} for v in (800, 900)]
-    assert "slower in every run" in floor.verdict(variants, loses, 4096)
-    # 128 images per step: medians 1050 -> 1175 images/s save 13 ms per step, 14x the 0.9 ms cut
-    assert "more than the floor can explain" in floor.verdict(variants, wins, 4096, 128)
-    small = training + [{"label": "fast", "images_per_second": v} for v in (1110, 1105)]
-    assert "worth setting" in floor.verdict(variants, small, 4096, 128)  # 6.3 ms per step: 7x
 
 
 def fake_cluster(quick: bool = False) -> dict:
