@@ -1,6 +1,6 @@
 """Part ``cluster``: Horovod where it lives, on an emulated cluster of this machine.
 
-Four network-namespace "hosts" on one bridge (``tests/netns_hosts.py``: one address, one sshd,
+Four network-namespace "hosts" on one bridge (:mod:`bench.netns_hosts`: one address, one sshd,
 one veth each; names ``rtc-*``), each host's link shaped by tc in both directions to a profile
 (1 Gbit/s, 10 Gbit/s; or left unshaped as the baseline), one rank per host (two where the
 hierarchical allreduce is tried).  On it:
@@ -31,16 +31,15 @@ Namespaces, the bridge and every tc rule are removed on exit, errors, Ctrl-C and
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench import costmodel, util
+from bench import netns_hosts as nh
 
 PREFIX = "rtc-"
 IFACE = "rtceth0"
@@ -150,17 +149,6 @@ def quick() -> ClusterConfig:
                          ddp=True, knob_profile=None, tf_model=None, timeout_s=400)
 
 
-def harness():
-    """``tests/netns_hosts.py``, the hosts the multi-host tests use (loaded by path: ``tests`` is
-    not a package)."""
-    path = util.REPO / "tests" / "netns_hosts.py"
-    spec = importlib.util.spec_from_file_location("netns_hosts", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("netns_hosts", module)
-    spec.loader.exec_module(module)
-    return module
-
-
 @contextlib.contextmanager
 def terminate_as_exit():
     """SIGTERM/SIGHUP raise SystemExit here, so the hosts' teardown runs (Ctrl-C already does)."""
@@ -194,8 +182,8 @@ class TrainRun:
 class Cluster:
     """Launch lines and runs on the emulated hosts."""
 
-    def __init__(self, nh, hosts, out: Path, timeout: float) -> None:
-        self.nh, self.hosts, self.out, self.timeout = nh, hosts, out, timeout
+    def __init__(self, hosts: nh.Hosts, out: Path, timeout: float) -> None:
+        self.hosts, self.out, self.timeout = hosts, out, timeout
         self.profile = "unshaped"
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -229,7 +217,7 @@ class Cluster:
         env = dict(env or {})
         log = self.work(name) / "output.log"
         head = self.hosts.hosts[0]
-        self.nh.ensure_privsep_dir()  # another harness user may have removed it meanwhile
+        nh.ensure_privsep_dir()  # another harness user may have removed it meanwhile
         try:
             if launcher == "direct":
                 port = str(util.free_port())
@@ -405,7 +393,6 @@ def count_parameters(models: tuple[str, ...] = ("resnet18", "resnet50", "resnet1
 
 
 def run_part(cfg: ClusterConfig, out: Path) -> dict:
-    nh = harness()
     reason = nh.why_unavailable()
     if reason:
         util.say(f"cluster: skipped: {reason}")
@@ -420,7 +407,7 @@ def run_part(cfg: ClusterConfig, out: Path) -> dict:
                                                     hostnames=True) as hosts:
         util.say(f"cluster: {MAX_HOSTS} hosts up ({', '.join(h.netns for h in hosts.hosts)}, "
                  f"bridge in {hosts.switch})")
-        cl = Cluster(nh, hosts, out, cfg.timeout_s)
+        cl = Cluster(hosts, out, cfg.timeout_s)
         for profile in ["unshaped", *cfg.profiles]:
             prof = PROFILES[profile]
             applied = None

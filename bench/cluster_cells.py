@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from bench import cluster, util
+from bench import netns_hosts as nh
 
 PREFIX = "rcc-"
 SUBNET = "10.253.0"
@@ -133,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     data = {"command": "python -m bench.cluster_cells " + " ".join(given),
             "started": time.strftime("%Y-%m-%d %H:%M %Z"), "profile": args.profile, "env": dict(extra),
             "modes": {m: list(MODES[m]) for m in modes}, "config": cfg.to_dict(), "cells": []}
-    nh = cluster.harness()
     reason = nh.why_unavailable()
     if reason:
         raise SystemExit(f"cluster_cells: {reason}")
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         prof = cluster.PROFILES[args.profile]
         shape = nh.LinkShape(prof.rate_bit, 0.0 if nh.netem_missing() else prof.delay_s)
         made.shape(shape)
-        cl = cluster.Cluster(nh, made, work, cfg.timeout_s)
+        cl = cluster.Cluster(made, work, cfg.timeout_s)
         cl.profile = args.profile
         data["link"] = {"label": shape.describe(), "probe": cl.probe()}
         for rnd in range(args.rounds):

@@ -106,7 +106,7 @@ def setup(res: dict, cl: dict) -> list[str]:
     lines = [
         f"{cl['hosts']} Linux network namespaces on this one machine ({m['cpu_model']}, {m['cores']} "
         "cores), each a \"host\" with its own address, hostname and sshd, every host's veth on one "
-        "bridge (`tests/netns_hosts.py: make_hosts`, `bench/cluster.py`). Jobs start the way they "
+        "bridge (`bench/netns_hosts.py: make_hosts`, `bench/cluster.py`). Jobs start the way they "
         "would on a cluster: `horovodrun -H rtc-h1:1,rtc-h2:1,...` and `mpirun -H ...` over ssh from "
         "host 1; DDP and torch.distributed as one process per host. Each host's link is shaped in "
         "both directions (tc HTB at the host's egress and at its bridge port: full duplex, "
