@@ -44,7 +44,6 @@ from bench import netns_hosts as nh
 PREFIX = "rtc-"
 IFACE = "rtceth0"
 SUBNET = "10.252.0"
-MAX_HOSTS = 4
 SIZES = [64 * 1024 * 4 ** k for k in range(6)]  # 64 KiB .. 64 MiB
 
 
@@ -102,6 +101,7 @@ HIERARCHICAL = {
 @dataclass
 class ClusterConfig:
     quick: bool = False
+    hosts: int = 4  # made once; each cell runs on the first N
     profiles: list[str] = field(default_factory=lambda: ["1g", "10g"])
     # how time grows with N is measured on 1 Gbit/s; 10 Gbit/s is more than this machine's TCP
     # stack moves between four namespaces, so one N there says what it does
@@ -384,28 +384,40 @@ def plan_training(cfg: ClusterConfig, profile: str) -> list[TrainRun]:
 
 def count_parameters(models: tuple[str, ...] = ("resnet18", "resnet50", "resnet101", "vgg16")) -> dict:
     """Trainable parameters of torchvision's ImageNet models (in a child process: the bench
-    driver does not import the frameworks)."""
-    code = ("import json, torchvision\n"
-            f"print(json.dumps({{m: sum(p.numel() for p in getattr(torchvision.models, m)().parameters()) "
-            f"for m in {list(models)!r}}}))")
+    driver does not import the frameworks; on the meta device: shapes only, no memory, no init)."""
+    code = ("import json, torch, torchvision\n"
+            "with torch.device('meta'):\n"
+            "    print(json.dumps({m: sum(p.numel() for p in getattr(torchvision.models, m)().parameters())\n"
+            f"                      for m in {list(models)!r}}}))")
     res = util.run([util.PY, "-c", code], timeout=300)
     return json.loads(res.output.strip().splitlines()[-1]) if res.ok else {"error": util.tail(res.output)}
 
 
+def hosts_needed(cfg: ClusterConfig) -> int:
+    """The most hosts any cell of ``cfg`` runs on."""
+    counts = [*cfg.hier_hosts, *(n for ns in cfg.coll_hosts.values() for n in ns),
+              *(n for ns in cfg.train_hosts.values() for n in ns), cfg.knob_hosts if cfg.knob_profile else 1]
+    if cfg.tf_model:
+        counts += [*cfg.tf_alone_hosts, *(n for ns in cfg.tf_hosts.values() for n in ns)]
+    return max(counts, default=1)
+
+
 def run_part(cfg: ClusterConfig, out: Path) -> dict:
+    if hosts_needed(cfg) > cfg.hosts:
+        raise ValueError(f"cluster config: a cell needs {hosts_needed(cfg)} hosts, {cfg.hosts} are made")
     reason = nh.why_unavailable()
     if reason:
         util.say(f"cluster: skipped: {reason}")
         return {"skipped": reason, "config": cfg.to_dict()}
     netem = nh.netem_missing()
-    data: dict = {"config": cfg.to_dict(), "hosts": MAX_HOSTS, "iface": IFACE, "netem_missing": netem,
+    data: dict = {"config": cfg.to_dict(), "hosts": cfg.hosts, "iface": IFACE, "netem_missing": netem,
                   "profiles": {}, "collectives": [], "training": [],
                   "models": count_parameters(), "tcp_payload_fraction": costmodel.TCP_PAYLOAD_FRACTION}
-    names = [f"{PREFIX}h{i}" for i in range(1, MAX_HOSTS + 1)]
+    names = [f"{PREFIX}h{i}" for i in range(1, cfg.hosts + 1)]
     t0 = time.perf_counter()
     with terminate_as_exit(), nh.make_hosts(names, prefix=PREFIX, subnet=SUBNET, iface=IFACE,
                                                     hostnames=True) as hosts:
-        util.say(f"cluster: {MAX_HOSTS} hosts up ({', '.join(h.netns for h in hosts.hosts)}, "
+        util.say(f"cluster: {cfg.hosts} hosts up ({', '.join(h.netns for h in hosts.hosts)}, "
                  f"bridge in {hosts.switch})")
         cl = Cluster(hosts, out, cfg.timeout_s)
         for profile in ["unshaped", *cfg.profiles]:

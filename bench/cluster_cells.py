@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     hosts = [int(h) for h in args.hosts.split(",")]
     cfg = cluster.ClusterConfig(coll_sizes=[parse_size(s) for s in args.sizes.split(",")], timeout_s=300)
     out = util.REPO / args.out
-    work = util.REPO / "bench" / "results" / "tmp" / "cells"
+    work = out.parent / "tmp" / "cells"
     given = argv if argv is not None else sys.argv[1:]
     data = {"command": "python -m bench.cluster_cells " + " ".join(given),
             "started": time.strftime("%Y-%m-%d %H:%M %Z"), "profile": args.profile, "env": dict(extra),

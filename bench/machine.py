@@ -97,14 +97,14 @@ def aggregate_copy_bandwidth(procs: int, nbytes: int = 128 << 20, reps: int = 8)
     return float(sum(rates))
 
 
-def describe(measure: bool = True) -> dict:
+def describe(measure: bool = True, copy_bytes: int = 256 << 20) -> dict:
     cores = available_cores()
     info = {"cpu_model": cpu_model(), "cores": cores, "logical_cpus": os.cpu_count(),
             "memory_gib": memory_gib(), "os": f"{platform.system()} {platform.release()}",
             "hostname": platform.node(), "versions": versions()}
     if measure:
-        info["copy_bandwidth_1core"] = copy_bandwidth()
-        info["copy_bandwidth_all_cores"] = aggregate_copy_bandwidth(cores)
+        info["copy_bandwidth_1core"] = copy_bandwidth(copy_bytes)
+        info["copy_bandwidth_all_cores"] = aggregate_copy_bandwidth(cores, copy_bytes // 2)
         try:
             info["load_average_at_start"] = list(os.getloadavg())
         except OSError:
