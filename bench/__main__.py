@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated parts: {', '.join(PARTS)} "
                         f"(default: {', '.join(report.DEFAULT_PARTS)})")
     p.add_argument("--frameworks", default="torch,tf", help="torch, tf or both (default)")
+    p.add_argument("--cells", default=",".join(cluster.CELLS),
+                   help=f"cluster part: which of its cells to run ({', '.join(cluster.CELLS)}; default all); "
+                        "a subset replaces those cells' records in OUT/cluster.json and keeps the rest")
     p.add_argument("--out", default=None, help="results folder (default bench/results)")
     p.add_argument("--markdown", default=None, help="report to (re)generate (default BENCHMARKS.md)")
     p.add_argument("--profile", metavar="RUN", default=None,
@@ -81,6 +84,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke and (out == RESULTS.resolve() or markdown == (util.REPO / "BENCHMARKS.md").resolve()):
         raise bad_input("--smoke writes meaningless numbers: give --out and --markdown outside bench/results "
                         "and BENCHMARKS.md")
+    parts = []
+    for name in args.only.split(","):
+        name = ALIASES.get(name.strip(), name.strip())
+        if name not in PARTS:
+            raise bad_input(f"--only: unknown part {name!r}; choose from {', '.join(PARTS)}")
+        parts.append(name)
+    cells = [c.strip() for c in args.cells.split(",") if c.strip()]
+    if not cells or any(c not in cluster.CELLS for c in cells):
+        raise bad_input(f"--cells: {args.cells!r}: choose from {', '.join(cluster.CELLS)}")
+    rerun = set(cells) != set(cluster.CELLS)
+    if rerun and parts != ["cluster"]:
+        raise bad_input("--cells reruns some cells of the cluster part: use it with --only cluster")
+    if rerun and not (out / "cluster.json").exists():
+        raise bad_input(f"--cells reruns some cells of an earlier cluster part, but {out} holds no "
+                        "cluster.json: run the whole part first, or point --out at its folder")
+    try:
+        run = parse_run(args.profile) if args.profile else None
+    except ValueError as err:
+        raise bad_input(f"--profile: {err}") from None
     cfg = smoke.config() if args.smoke else config.quick() if args.quick else config.full()
     out.mkdir(parents=True, exist_ok=True)
     frameworks = [f for f in args.frameworks.split(",") if f]
@@ -89,10 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
 
     if args.profile:
-        try:
-            run = parse_run(args.profile)
-        except ValueError as err:
-            raise bad_input(f"--profile: {err}") from None
         prof = Profiling(args.profile, args.profile_native, args.timeline)
         for stale in ("pyspy.txt", "timeline.json"):
             (out / "profile" / stale).unlink(missing_ok=True)
@@ -103,13 +121,6 @@ def main(argv: list[str] | None = None) -> int:
         util.say(f"profile summary: {out / 'profile.json'}; raw: {out / 'profile'}")
         return 0 if record["ok"] else 1
 
-    parts = []
-    for name in args.only.split(","):
-        name = ALIASES.get(name.strip(), name.strip())
-        if name not in PARTS:
-            raise bad_input(f"--only: unknown part {name!r}; choose from {', '.join(PARTS)}")
-        parts.append(name)
-
     util.say("describing the machine (cores, memory bandwidth) ...")
     util.write_json(out / "machine.json", machine.describe(copy_bytes=cfg.copy_bytes))
     for part in parts:
@@ -119,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "collectives":
             data = collectives.run_part(cfg, out)
         elif part == "cluster":
-            data = cluster.run_part(smoke.cluster_config() if args.smoke else cluster.quick() if args.quick
-                                    else cluster.full(), out)
+            ccfg = smoke.cluster_config() if args.smoke else cluster.quick() if args.quick else cluster.full()
+            data = cluster.run_part(ccfg.only(cells), out)
         elif part == "floor":
             data = floor.run_part(smoke.floor_config() if args.smoke else floor.quick() if args.quick
                                   else floor.full(), out)
@@ -129,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         data["quick"] = cfg.quick
         data["started"] = started
         data["machine"] = util.read_json(out / "machine.json")  # the limits its numbers meet
+        if part == "cluster" and rerun and "skipped" not in data:
+            data = cluster.merge_rerun(util.read_json(out / "cluster.json"), data, command)
         util.write_json(out / f"{part}.json", data)
 
     results = merge(out, {"quick": cfg.quick, "started": started, "command": command,

@@ -31,6 +31,7 @@ Namespaces, the bridge and every tc rule are removed on exit, errors, Ctrl-C and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import subprocess
@@ -45,6 +46,7 @@ PREFIX = "rtc-"
 IFACE = "rtceth0"
 SUBNET = "10.252.0"
 SIZES = [64 * 1024 * 4 ** k for k in range(6)]  # 64 KiB .. 64 MiB
+CELLS = ("collectives", "torch", "tf")  # the kinds of cell; the link probes run in every part
 
 
 @dataclass(frozen=True)
@@ -131,9 +133,22 @@ class ClusterConfig:
     tf_alone_hosts: list[int] = field(default_factory=lambda: [2, 4])
     tf_batch_size: int = 16
     timeout_s: float = 900
+    cells: list[str] = field(default_factory=lambda: list(CELLS))
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def only(self, cells: list[str]) -> ClusterConfig:
+        """This config with the cells of the other kinds (collectives, torch or tf training)
+        taken out."""
+        cfg = dataclasses.replace(self, cells=[c for c in CELLS if c in cells])
+        if "collectives" not in cells:
+            cfg = dataclasses.replace(cfg, coll_hosts={}, hier_hosts=[])
+        if "torch" not in cells:
+            cfg = dataclasses.replace(cfg, train_hosts={}, knob_profile=None)
+        if "tf" not in cells:
+            cfg = dataclasses.replace(cfg, tf_model=None)
+        return cfg
 
 
 def full() -> ClusterConfig:
@@ -400,6 +415,22 @@ def hosts_needed(cfg: ClusterConfig) -> int:
     if cfg.tf_model:
         counts += [*cfg.tf_alone_hosts, *(n for ns in cfg.tf_hosts.values() for n in ns)]
     return max(counts, default=1)
+
+
+def merge_rerun(part: dict, rerun: dict, command: str) -> dict:
+    """``part`` (a whole cluster part) with the records of the cells ``rerun`` measured again
+    (``--cells``) in place of its own; everything else stays as measured, and when and how the
+    rerun ran (its time, machine, load, link probes, config) is kept in ``reruns``."""
+    cells = rerun["config"]["cells"]
+    merged = dict(part)
+    if "collectives" in cells:
+        merged["collectives"] = rerun["collectives"]
+    merged["training"] = [r for r in part["training"] if r["framework"] not in cells] + rerun["training"]
+    merged["quick"] = bool(part.get("quick") or rerun.get("quick"))
+    merged["reruns"] = [*part.get("reruns", []), {
+        "cells": cells, "command": command, **{k: rerun.get(k) for k in (
+            "started", "duration_s", "machine", "profiles", "config", "netem_missing")}}]
+    return merged
 
 
 def run_part(cfg: ClusterConfig, out: Path) -> dict:

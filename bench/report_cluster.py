@@ -98,6 +98,20 @@ def section(res: dict) -> list[str]:
     return lines
 
 
+def reruns(cl: dict) -> str:
+    """Which cells were measured again later (``python -m bench --only cluster --cells ...``)."""
+    said = []
+    for r in cl.get("reruns", []):
+        load = (r.get("machine") or {}).get("load_average_at_start")
+        streams = ", ".join(f"{p['label'].split(' (')[0]} {mb(p['probe'].get('stream_bytes_per_s'))} MB/s"
+                            for p in (r.get("profiles") or {}).values() if p.get("probe"))
+        said.append(f" The {' and '.join(r['cells'])} cells were measured again {r.get('started', '?')}, "
+                    f"{(r.get('duration_s') or 0) / 60:.0f} min, load average at start "
+                    f"{', '.join(f'{a:.2f}' for a in load) if load else 'n/a'} (`{r['command']}`; one TCP "
+                    f"stream then: {streams or 'n/a'}): their rows are from that run.")
+    return "".join(said)
+
+
 def setup(res: dict, cl: dict) -> list[str]:
     m = cl.get("machine") or res["machine"]
     load = m.get("load_average_at_start")
@@ -114,7 +128,7 @@ def setup(res: dict, cl: dict) -> list[str]:
         "yield while they wait (`OMPI_MCA_mpi_yield_when_idle=1`), since here a spinning rank "
         "would take a core from another \"host\". Part measured "
         f"{cl.get('started', '?')}, {cl.get('duration_s', 0) / 60:.0f} min, load average at start "
-        f"{', '.join(f'{a:.2f}' for a in load) if load else 'n/a'}.", ""]
+        f"{', '.join(f'{a:.2f}' for a in load) if load else 'n/a'}." + reruns(cl), ""]
     if netem:
         lines += [f"**No delay or loss was applied:** {netem}. The profiles' 0.2 ms and 0.05 ms are "
                   "therefore not in these numbers; the links have their natural round trip (table "

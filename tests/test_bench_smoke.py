@@ -238,9 +238,20 @@ def netns_root():
 
 
 def test_cluster_part(tmp_path, netns_root):
-    out, md = bench(tmp_path, "--only", "cluster", timeout=2 * LIMIT)
+    """The smoke cells rerun (``--cells collectives,tf``) over a copy of the committed cluster part:
+    they replace its collectives and Keras rows, its PyTorch rows stay, the rerun is recorded."""
+    committed = json.loads((REPO / "bench" / "results" / "cluster.json").read_text())
+    (tmp_path / "out").mkdir()
+    shutil.copy(REPO / "bench" / "results" / "cluster.json", tmp_path / "out" / "cluster.json")
+    out, md = bench(tmp_path, "--only", "cluster", "--cells", "collectives,tf", timeout=2 * LIMIT)
     cl = json.loads((out / "cluster.json").read_text())
     assert "skipped" not in cl, cl.get("skipped")
+    assert [r for r in cl["training"] if r["framework"] == "torch"] == [
+        r for r in committed["training"] if r["framework"] == "torch"]
+    rerun = cl["reruns"][-1]
+    assert rerun["cells"] == ["collectives", "tf"] and "--cells collectives,tf" in rerun["command"]
+    assert "The collectives and tf cells were measured again" in md
+    cl = {**cl, "profiles": rerun["profiles"]}  # the smoke run's own link probes
     assert set(cl["profiles"]) == {"unshaped", "1g"}
     for name, prof in cl["profiles"].items():
         assert prof["probe"].get("stream_bytes_per_s", 0) > 0, (name, prof["probe"])
@@ -250,7 +261,7 @@ def test_cluster_part(tmp_path, netns_root):
         (row,) = c["rows"]
         assert row["hosts_seen"] == 2  # one rank in each host's namespace
         assert row["busiest_link_bytes"] >= 64 * 1024  # counted by the kernel on the host's link
-    (train,) = cl["training"]
+    (train,) = [r for r in cl["training"] if r["framework"] == "tf"]
     assert train["ok"], train.get("error")
     assert train["name"] == "tf/horovod/default/1g/h2x1"
     sums = train["result"]["weight_sums"]
