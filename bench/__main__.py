@@ -166,4 +166,5 @@ def merge(out: Path, meta: dict) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with util.terminate_as_exit():  # SIGTERM ends the running job and tears the cluster down
+        sys.exit(main())

@@ -30,10 +30,8 @@ Namespaces, the bridge and every tc rule are removed on exit, errors, Ctrl-C and
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import signal
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -162,19 +160,6 @@ def quick() -> ClusterConfig:
                          coll_sizes=SIZES[:5], coll_reps=3, coll_budget_s=1.5, hier_hosts=[],
                          train_hosts={"unshaped": [1, 2], "1g": [2]}, train_warmup=2, train_steps=4,
                          ddp=True, knob_profile=None, tf_model=None, timeout_s=400)
-
-
-@contextlib.contextmanager
-def terminate_as_exit():
-    """SIGTERM/SIGHUP raise SystemExit here, so the hosts' teardown runs (Ctrl-C already does)."""
-    def stop(signum, _frame):
-        raise SystemExit(128 + signum)
-    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
 
 
 @dataclass
@@ -446,7 +431,7 @@ def run_part(cfg: ClusterConfig, out: Path) -> dict:
                   "models": count_parameters(), "tcp_payload_fraction": costmodel.TCP_PAYLOAD_FRACTION}
     names = [f"{PREFIX}h{i}" for i in range(1, cfg.hosts + 1)]
     t0 = time.perf_counter()
-    with terminate_as_exit(), nh.make_hosts(names, prefix=PREFIX, subnet=SUBNET, iface=IFACE,
+    with util.terminate_as_exit(), nh.make_hosts(names, prefix=PREFIX, subnet=SUBNET, iface=IFACE,
                                                     hostnames=True) as hosts:
         util.say(f"cluster: {cfg.hosts} hosts up ({', '.join(h.netns for h in hosts.hosts)}, "
                  f"bridge in {hosts.switch})")

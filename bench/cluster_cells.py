@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         raise SystemExit(f"cluster_cells: {reason}")
     names = [f"{PREFIX}h{i}" for i in range(1, max(hosts) + 1)]
-    with cluster.terminate_as_exit(), nh.make_hosts(names, prefix=PREFIX, subnet=SUBNET, iface=cluster.IFACE,
+    with util.terminate_as_exit(), nh.make_hosts(names, prefix=PREFIX, subnet=SUBNET, iface=cluster.IFACE,
                                                     hostnames=True) as made:
         prof = cluster.PROFILES[args.profile]
         shape = nh.LinkShape(prof.rate_bit, 0.0 if nh.netem_missing() else prof.delay_s)

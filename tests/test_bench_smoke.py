@@ -19,11 +19,15 @@ whole group (``bench.util.run``); the network-namespace hosts are checked remove
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,9 +35,9 @@ from conftest import BIN, REPO, requires_horovod
 
 from bench import netns_hosts, smoke, util
 
-pytestmark = requires_horovod
 PY = sys.executable
 LIMIT = 300  # seconds for one launch (a smoke part runs several, each under smoke.TIMEOUT_S)
+pytestmark = [requires_horovod, pytest.mark.timeout(LIMIT + 60)]  # tests that launch more say so
 GUARDED = [REPO / "BENCHMARKS.md", *sorted((REPO / "bench" / "results").glob("*.json"))]
 
 
@@ -49,13 +53,28 @@ def results_untouched():
     assert digest(GUARDED) == before, "a smoke run wrote into bench/results or BENCHMARKS.md"
 
 
-def launch(cmd: list[str], tmp_path: Path, timeout: float = LIMIT, env: dict | None = None) -> str:
-    """Run ``cmd`` in its own process group (killed whole on timeout); fail with its output's tail
-    unless it exits 0."""
-    res = util.run(cmd, env=util.base_env(**(env or {})), timeout=timeout, log=tmp_path / "launch.log")
-    if not res.ok:
-        pytest.fail(f"rc={res.returncode}: {' '.join(cmd)}\n{util.tail(res.output, 60)}")
-    return res.output
+def launch(cmd: list[str], tmp_path: Path, timeout: float = LIMIT) -> str:
+    """Run ``cmd`` in its own process group; fail with its output's tail unless it exits 0.  Past
+    ``timeout``: SIGTERM first (``python -m bench`` then kills its running job and tears its
+    hosts down), SIGKILL to the group 30 s later; whatever is left in the group is killed."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=util.base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        util.kill_group(proc, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            util.kill_group(proc)
+            out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{util.tail(out, 60)}")
+    finally:
+        util.kill_group(proc)
+    (tmp_path / "launch.log").write_text(f"$ {' '.join(cmd)}\n{out}")
+    if proc.returncode != 0:
+        pytest.fail(f"rc={proc.returncode}: {' '.join(cmd)}\n{util.tail(out, 60)}")
+    return out
 
 
 def bench(tmp_path: Path, *args: str, timeout: float = LIMIT) -> tuple[Path, str]:
@@ -73,6 +92,7 @@ def failed(records: list[dict]) -> str:
 
 # -- the parts ---------------------------------------------------------------------------------
 
+@pytest.mark.timeout(2 * LIMIT + 60)
 def test_throughput_part(tmp_path):
     out, md = bench(tmp_path, "--only", "throughput", timeout=2 * LIMIT)
     runs = json.loads((out / "throughput.json").read_text())["runs"]
@@ -135,6 +155,51 @@ def test_profile(tmp_path):
     prof = json.loads((out / "profile.json").read_text())
     assert prof["target"] == "torch/loop/none/synthetic/np1" and prof["run"]["ok"]
     assert prof["pyspy"]["samples"] > 0 and prof["pyspy"]["categories"]
+
+
+def processes_naming(folder: Path, but: int) -> dict[int, list[str]]:
+    """Live processes (other than ``but``) whose command line names something under ``folder``."""
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        pid = int(cmdline.parent.name)
+        if any(str(folder) in arg for arg in argv) and pid != but:
+            found[pid] = argv
+    return found
+
+
+def test_sigterm_ends_the_running_job(tmp_path):
+    """SIGTERM to ``python -m bench`` (a CI timeout, a scheduler) ends the job it is running too,
+    ranks included, though jobs run in their own session, out of the signal's reach."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([PY, "-m", "bench", "--smoke", "--only", "collectives", "--out", str(out)],
+                            cwd=REPO, env=util.base_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        def ranks() -> list[int]:
+            return [pid for pid, argv in processes_naming(out, proc.pid).items()
+                    if argv[1:3] == ["-m", "bench.coll_worker"]]
+
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline and not ranks():
+            time.sleep(0.1)
+        assert proc.poll() is None, "the part ended before a rank started"
+        assert ranks(), "no rank started in 120 s"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30  # horovodrun's middleman gives mpirun 5 s to end its ranks
+        while processes_naming(out, proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not processes_naming(out, proc.pid), processes_naming(out, proc.pid)
+    finally:
+        util.kill_group(proc)
+        proc.wait()
+        for pid in processes_naming(out, proc.pid):  # what the test failed over, ended all the same
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 # -- the workers the cluster part launches, here on one host -------------------------------------
@@ -234,9 +299,12 @@ def netns_root():
     before = namespaces()
     yield
     left = {ns for ns in namespaces() - before if ns.startswith(("rtc-", "rcc-"))}
+    for prefix in ("rtc-", "rcc-"):  # a killed run's hosts must not outlive the test either
+        netns_hosts.remove_stale(prefix)
     assert not left, f"network namespaces left behind: {left}"
 
 
+@pytest.mark.timeout(2 * LIMIT + 60)
 def test_cluster_part(tmp_path, netns_root):
     """The smoke cells rerun (``--cells collectives,tf``) over a copy of the committed cluster part:
     they replace its collectives and Keras rows, its PyTorch rows stay, the rerun is recorded."""
