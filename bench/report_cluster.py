@@ -98,6 +98,9 @@ def section(res: dict) -> list[str]:
     return lines
 
 
+CELL_NAMES = {"collectives": "collective", "torch": "PyTorch training", "tf": "Keras training"}
+
+
 def reruns(cl: dict) -> str:
     """Which cells were measured again later (``python -m bench --only cluster --cells ...``)."""
     said = []
@@ -105,7 +108,8 @@ def reruns(cl: dict) -> str:
         load = (r.get("machine") or {}).get("load_average_at_start")
         streams = ", ".join(f"{p['label'].split(' (')[0]} {mb(p['probe'].get('stream_bytes_per_s'))} MB/s"
                             for p in (r.get("profiles") or {}).values() if p.get("probe"))
-        said.append(f" The {' and '.join(r['cells'])} cells were measured again {r.get('started', '?')}, "
+        cells = " and ".join(CELL_NAMES.get(c, c) for c in r["cells"])
+        said.append(f" The {cells} cells were measured again {r.get('started', '?')}, "
                     f"{(r.get('duration_s') or 0) / 60:.0f} min, load average at start "
                     f"{', '.join(f'{a:.2f}' for a in load) if load else 'n/a'} (`{r['command']}`; one TCP "
                     f"stream then: {streams or 'n/a'}): their rows are from that run.")

@@ -318,7 +318,7 @@ def test_cluster_part(tmp_path, netns_root):
         r for r in committed["training"] if r["framework"] == "torch"]
     rerun = cl["reruns"][-1]
     assert rerun["cells"] == ["collectives", "tf"] and "--cells collectives,tf" in rerun["command"]
-    assert "The collectives and tf cells were measured again" in md
+    assert "The collective and Keras training cells were measured again" in md
     cl = {**cl, "profiles": rerun["profiles"]}  # the smoke run's own link probes
     assert set(cl["profiles"]) == {"unshaped", "1g"}
     for name, prof in cl["profiles"].items():
