@@ -17,7 +17,7 @@ from bench.config import Config
 # Gloo, torchrun, MultiWorkerMirrored), each loop's Horovod and peer wrappers and both data
 # sources once, instead of the plan's product of them.
 THROUGHPUT_RUNS = [
-    "torch/trainer/horovod/mnist/np2",
+    "torch/trainer/horovod/mnist/np1",
     "torch/loop/horovod-gloo/mnist/np2",
     "torch/loop/ddp/synthetic/np2",
     "tf/loop/none/mnist/np1-1thread",
