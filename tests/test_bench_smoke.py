@@ -2,7 +2,7 @@
 not in the next full run of the suite.
 
 * each part of ``python -m bench --smoke`` (throughput, collectives, accuracy, floor; as root the
-  cluster), and ``--profile`` where py-spy is installed;
+  cluster), ``--profile`` (its samples where py-spy is installed), and SIGTERM to the driver;
 * every worker the parts launch: ``bench/torch_loop.py``, ``bench/tf_loop.py`` and
   ``bench/rankexec.py`` (throughput, floor), ``bench/coll_worker.py`` (collectives, floor, cluster,
   and its hierarchical mode here), ``bench/bigmodel_torch.py`` and ``bench/bigmodel_tf.py`` (here,
@@ -13,8 +13,8 @@ not in the next full run of the suite.
 What is asserted is what the report needs and what the runs must get right (every record ok, each
 rank accounted for, the sums an allreduce must produce, identical weights on every rank after an
 exchange), never a speed.  Output goes to ``tmp_path``; ``bench/results`` and ``BENCHMARKS.md`` are
-checked untouched.  Every launch runs in its own process group under a time limit that kills the
-whole group (``bench.util.run``); the network-namespace hosts are checked removed.
+checked untouched.  Every launch runs in its own process group under a time limit (:func:`launch`:
+SIGTERM, then SIGKILL to the group); the network-namespace hosts are checked removed.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from bench import netns_hosts, smoke, util
 PY = sys.executable
 LIMIT = 300  # seconds for one launch (a smoke part runs several, each under smoke.TIMEOUT_S)
 pytestmark = [requires_horovod, pytest.mark.timeout(LIMIT + 60)]  # tests that launch more say so
-GUARDED = [REPO / "BENCHMARKS.md", *sorted((REPO / "bench" / "results").glob("*.json"))]
+GUARDED = [REPO / "BENCHMARKS.md", *sorted((REPO / "bench" / "results").glob("*.json")),
+           *sorted((REPO / "bench" / "results").glob("*.png"))]
 
 
 def digest(paths: list[Path]) -> dict[str, str]:
