@@ -10,32 +10,35 @@ only) and ``floor`` (Horovod's small-message floor on one host): ``--only cluste
 finishes; ``results.json`` merges the latest of each, so ``--only`` reruns one part and keeps the
 others.  ``--profile RUN`` runs only that run (names as printed, e.g.
 ``torch/trainer/horovod/mnist/np2``) under py-spy, optionally with Horovod's timeline.
+``--smoke --out DIR``: the smallest run of each part (:mod:`bench.smoke`), to check it still runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
 
-from bench import accuracy, cluster, collectives, config, floor, machine, profiling, report, throughput, util
-from bench.jobs import Profiling, Run, execute
+from bench import (
+    accuracy,
+    cluster,
+    collectives,
+    config,
+    floor,
+    machine,
+    profiling,
+    report,
+    smoke,
+    throughput,
+    util,
+)
+from bench.jobs import Profiling, execute, parse_run
 
 PARTS = report.PARTS
 ALIASES = {"scaling": "throughput", "peers": "throughput", "horovod-cost": "throughput",
            "time-to-accuracy": "accuracy"}
-RUN_NAME = re.compile(r"^(torch|tf)/(trainer|loop)/(none|horovod|horovod-gloo|ddp|mwms)/"
-                      r"(mnist|synthetic)/np(\d+)(?:-(\d+)thread)?$")
-
-
-def parse_run(name: str) -> Run:
-    m = RUN_NAME.match(name)
-    if not m:
-        raise SystemExit(f"--profile: {name!r} is not a run name like torch/trainer/horovod/mnist/np2 "
-                         f"or tf/loop/horovod/synthetic/np1")
-    return Run(m[1], m[2], m[3], m[4], int(m[5]), threads=int(m[6] or 0))
+RESULTS = util.REPO / "bench" / "results"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,14 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--quick", action="store_true", help="a few minutes: -np 1,2, short runs, proxy accuracy")
     p.add_argument("--smoke", action="store_true",
-                   help="with --only floor: the smallest run of every cell (-np 2, 4 KiB, one step; "
-                        "what the tests run)")
+                   help="the smallest run of each part, to check that it still runs (numbers meaningless); "
+                        "needs --out, a scratch folder; the report goes to OUT/BENCHMARKS.md")
     p.add_argument("--only", default=",".join(report.DEFAULT_PARTS),
                    help=f"comma-separated parts: {', '.join(PARTS)} "
                         f"(default: {', '.join(report.DEFAULT_PARTS)})")
     p.add_argument("--frameworks", default="torch,tf", help="torch, tf or both (default)")
-    p.add_argument("--out", default="bench/results", help="results folder (default bench/results)")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="report to (re)generate")
+    p.add_argument("--cells", default=",".join(cluster.CELLS),
+                   help=f"cluster part: which of its cells to run ({', '.join(cluster.CELLS)}; default all); "
+                        "a subset replaces those cells' records in OUT/cluster.json and keeps the rest")
+    p.add_argument("--out", default=None, help="results folder (default bench/results)")
+    p.add_argument("--markdown", default=None, help="report to (re)generate (default BENCHMARKS.md)")
     p.add_argument("--profile", metavar="RUN", default=None,
                    help="run only RUN with py-spy on rank 0 (e.g. torch/loop/horovod/synthetic/np2)")
     p.add_argument("--profile-native", action="store_true", help="py-spy --native (C/C++ frames too)")
@@ -59,10 +65,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def bad_input(message: str) -> SystemExit:
+    """One line on stderr, exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = config.quick() if args.quick else config.full()
-    out = (util.REPO / args.out).resolve()
+    if args.smoke and args.quick:
+        raise bad_input("--smoke and --quick: choose one")
+    if args.smoke and args.out is None:
+        raise bad_input("--smoke needs --out DIR, a scratch folder: its numbers must not land in "
+                        "bench/results")
+    out = (util.REPO / (args.out or RESULTS)).resolve()
+    default_md = out / "BENCHMARKS.md" if args.smoke else "BENCHMARKS.md"
+    markdown = (util.REPO / (args.markdown or default_md)).resolve()
+    if args.smoke and (out == RESULTS.resolve() or markdown == (util.REPO / "BENCHMARKS.md").resolve()):
+        raise bad_input("--smoke writes meaningless numbers: give --out and --markdown outside bench/results "
+                        "and BENCHMARKS.md")
+    parts = []
+    for name in args.only.split(","):
+        name = ALIASES.get(name.strip(), name.strip())
+        if name not in PARTS:
+            raise bad_input(f"--only: unknown part {name!r}; choose from {', '.join(PARTS)}")
+        parts.append(name)
+    cells = [c.strip() for c in args.cells.split(",") if c.strip()]
+    if not cells or any(c not in cluster.CELLS for c in cells):
+        raise bad_input(f"--cells: {args.cells!r}: choose from {', '.join(cluster.CELLS)}")
+    rerun = set(cells) != set(cluster.CELLS)
+    if rerun and parts != ["cluster"]:
+        raise bad_input("--cells reruns some cells of the cluster part: use it with --only cluster")
+    if rerun and not (out / "cluster.json").exists():
+        raise bad_input(f"--cells reruns some cells of an earlier cluster part, but {out} holds no "
+                        "cluster.json: run the whole part first, or point --out at its folder")
+    try:
+        run = parse_run(args.profile) if args.profile else None
+    except ValueError as err:
+        raise bad_input(f"--profile: {err}") from None
+    cfg = smoke.config() if args.smoke else config.quick() if args.quick else config.full()
     out.mkdir(parents=True, exist_ok=True)
     frameworks = [f for f in args.frameworks.split(",") if f]
     started = time.strftime("%Y-%m-%d %H:%M %Z")
@@ -70,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
 
     if args.profile:
-        run = parse_run(args.profile)
         prof = Profiling(args.profile, args.profile_native, args.timeline)
         for stale in ("pyspy.txt", "timeline.json"):
             (out / "profile" / stale).unlink(missing_ok=True)
@@ -81,19 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         util.say(f"profile summary: {out / 'profile.json'}; raw: {out / 'profile'}")
         return 0 if record["ok"] else 1
 
-    parts = []
-    for name in args.only.split(","):
-        name = ALIASES.get(name.strip(), name.strip())
-        if name not in PARTS:
-            raise SystemExit(f"--only: unknown part {name!r}; choose from {', '.join(PARTS)}")
-        parts.append(name)
-
-    if args.smoke and parts != ["floor"]:
-        print("error: --smoke runs only the floor part; add --only floor", file=sys.stderr)
-        return 2
-
     util.say("describing the machine (cores, memory bandwidth) ...")
-    util.write_json(out / "machine.json", machine.describe())
+    util.write_json(out / "machine.json", machine.describe(copy_bytes=cfg.copy_bytes))
     for part in parts:
         util.say(f"=== {part} ===")
         if part == "throughput":
@@ -101,21 +130,24 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "collectives":
             data = collectives.run_part(cfg, out)
         elif part == "cluster":
-            data = cluster.run_part(cluster.quick() if args.quick else cluster.full(), out)
+            ccfg = smoke.cluster_config() if args.smoke else cluster.quick() if args.quick else cluster.full()
+            data = cluster.run_part(ccfg.only(cells), out)
         elif part == "floor":
-            data = floor.run_part(floor.smoke() if args.smoke else floor.quick() if args.quick
+            data = floor.run_part(smoke.floor_config() if args.smoke else floor.quick() if args.quick
                                   else floor.full(), out)
         else:
             data = accuracy.run_part(cfg, out, frameworks)
         data["quick"] = cfg.quick or args.smoke
         data["started"] = started
         data["machine"] = util.read_json(out / "machine.json")  # the limits its numbers meet
+        if part == "cluster" and rerun and "skipped" not in data:
+            data = cluster.merge_rerun(util.read_json(out / "cluster.json"), data, command)
         util.write_json(out / f"{part}.json", data)
 
     results = merge(out, {"quick": cfg.quick or args.smoke, "started": started, "command": command,
                           "duration_s": time.perf_counter() - t0, "config": cfg.to_dict()})
     util.write_json(out / "results.json", results)
-    md = report.write(out / "results.json", util.REPO / args.markdown)
+    md = report.write(out / "results.json", markdown)
     util.say(f"done in {(time.perf_counter() - t0) / 60:.1f} min: {out / 'results.json'}, {md}")
     return 0
 
@@ -134,4 +166,5 @@ def merge(out: Path, meta: dict) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with util.terminate_as_exit():  # SIGTERM ends the running job and tears the cluster down
+        sys.exit(main())

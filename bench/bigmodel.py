@@ -80,9 +80,13 @@ def write(path: str | None, doc: dict) -> None:
 
 
 def summary(args, *, framework: str, size: int, grad_bytes: int, step_seconds: list[float],
-            timed_seconds: float, cpu_seconds: float, extra: dict | None = None) -> dict:
+            timed_seconds: float, cpu_seconds: float, weight_sums: list[float],
+            extra: dict | None = None) -> dict:
     """The result rank 0 writes: ``seconds_per_step`` is the slowest rank's timed window over
-    the number of timed steps; ``rank0_step_seconds`` each of rank 0's steps."""
+    the number of timed steps; ``rank0_step_seconds`` each of rank 0's steps; ``weight_sums``
+    each rank's float64 sum of its trainable weights at the end (equal on every rank once the
+    gradients are exchanged: ranks start from different seeds and batches; ``alone`` and
+    ``none`` give rank 0's only)."""
     per_step = timed_seconds / args.steps
     return {"framework": framework, "wrapper": args.wrapper, "model": args.model,
             "image_size": args.image_size, "batch_size_per_rank": args.batch_size,
@@ -90,4 +94,4 @@ def summary(args, *, framework: str, size: int, grad_bytes: int, step_seconds: l
             "gradient_bytes": grad_bytes, "timed_steps": args.steps,
             "seconds_per_step": per_step, "images_per_second": args.batch_size * size / per_step,
             "rank0_step_seconds": step_seconds, "rank0_cores_busy": cpu_seconds / timed_seconds,
-            **(extra or {})}
+            "weight_sums": weight_sums, **(extra or {})}

@@ -76,10 +76,19 @@ def main() -> None:
     seconds = slowest_torch(clock.seconds, hvd, dist)
     if args.wrapper == "alone":
         tcp_barrier(rank, size, 1)  # rank 0's window ends after everyone's started
+    weight_sum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    if hvd is not None:
+        weight_sums = hvd.allgather_object(weight_sum, name="bench_weight_sums")
+    elif dist is not None:
+        weight_sums = [None] * size
+        dist.all_gather_object(weight_sums, weight_sum)
+    else:
+        weight_sums = [weight_sum]
     if rank == 0:
         write(args.out, summary(args, framework="torch", size=size, grad_bytes=grad_bytes,
                                 step_seconds=steps[args.warmup_steps:], timed_seconds=seconds,
-                                cpu_seconds=clock.cpu_seconds, extra={"torch": torch.__version__}))
+                                cpu_seconds=clock.cpu_seconds, weight_sums=weight_sums,
+                                extra={"torch": torch.__version__}))
     if dist is not None:
         dist.destroy_process_group()
 

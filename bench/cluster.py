@@ -1,6 +1,6 @@
 """Part ``cluster``: Horovod where it lives, on an emulated cluster of this machine.
 
-Four network-namespace "hosts" on one bridge (``tests/netns_hosts.py``: one address, one sshd,
+Four network-namespace "hosts" on one bridge (:mod:`bench.netns_hosts`: one address, one sshd,
 one veth each; names ``rtc-*``), each host's link shaped by tc in both directions to a profile
 (1 Gbit/s, 10 Gbit/s; or left unshaped as the baseline), one rank per host (two where the
 hierarchical allreduce is tried).  On it:
@@ -30,23 +30,21 @@ Namespaces, the bridge and every tc rule are removed on exit, errors, Ctrl-C and
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
+import dataclasses
 import json
-import signal
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench import costmodel, util
+from bench import netns_hosts as nh
 
 PREFIX = "rtc-"
 IFACE = "rtceth0"
 SUBNET = "10.252.0"
-MAX_HOSTS = 4
 SIZES = [64 * 1024 * 4 ** k for k in range(6)]  # 64 KiB .. 64 MiB
+CELLS = ("collectives", "torch", "tf")  # the kinds of cell; the link probes run in every part
 
 
 @dataclass(frozen=True)
@@ -103,6 +101,7 @@ HIERARCHICAL = {
 @dataclass
 class ClusterConfig:
     quick: bool = False
+    hosts: int = 4  # made once; each cell runs on the first N
     profiles: list[str] = field(default_factory=lambda: ["1g", "10g"])
     # how time grows with N is measured on 1 Gbit/s; 10 Gbit/s is more than this machine's TCP
     # stack moves between four namespaces, so one N there says what it does
@@ -132,9 +131,22 @@ class ClusterConfig:
     tf_alone_hosts: list[int] = field(default_factory=lambda: [2, 4])
     tf_batch_size: int = 16
     timeout_s: float = 900
+    cells: list[str] = field(default_factory=lambda: list(CELLS))
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def only(self, cells: list[str]) -> ClusterConfig:
+        """This config with the cells of the other kinds (collectives, torch or tf training)
+        taken out."""
+        cfg = dataclasses.replace(self, cells=[c for c in CELLS if c in cells])
+        if "collectives" not in cells:
+            cfg = dataclasses.replace(cfg, coll_hosts={}, hier_hosts=[])
+        if "torch" not in cells:
+            cfg = dataclasses.replace(cfg, train_hosts={}, knob_profile=None)
+        if "tf" not in cells:
+            cfg = dataclasses.replace(cfg, tf_model=None)
+        return cfg
 
 
 def full() -> ClusterConfig:
@@ -148,30 +160,6 @@ def quick() -> ClusterConfig:
                          coll_sizes=SIZES[:5], coll_reps=3, coll_budget_s=1.5, hier_hosts=[],
                          train_hosts={"unshaped": [1, 2], "1g": [2]}, train_warmup=2, train_steps=4,
                          ddp=True, knob_profile=None, tf_model=None, timeout_s=400)
-
-
-def harness():
-    """``tests/netns_hosts.py``, the hosts the multi-host tests use (loaded by path: ``tests`` is
-    not a package)."""
-    path = util.REPO / "tests" / "netns_hosts.py"
-    spec = importlib.util.spec_from_file_location("netns_hosts", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("netns_hosts", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-@contextlib.contextmanager
-def terminate_as_exit():
-    """SIGTERM/SIGHUP raise SystemExit here, so the hosts' teardown runs (Ctrl-C already does)."""
-    def stop(signum, _frame):
-        raise SystemExit(128 + signum)
-    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
 
 
 @dataclass
@@ -194,8 +182,8 @@ class TrainRun:
 class Cluster:
     """Launch lines and runs on the emulated hosts."""
 
-    def __init__(self, nh, hosts, out: Path, timeout: float) -> None:
-        self.nh, self.hosts, self.out, self.timeout = nh, hosts, out, timeout
+    def __init__(self, hosts: nh.Hosts, out: Path, timeout: float) -> None:
+        self.hosts, self.out, self.timeout = hosts, out, timeout
         self.profile = "unshaped"
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -229,7 +217,7 @@ class Cluster:
         env = dict(env or {})
         log = self.work(name) / "output.log"
         head = self.hosts.hosts[0]
-        self.nh.ensure_privsep_dir()  # another harness user may have removed it meanwhile
+        nh.ensure_privsep_dir()  # another harness user may have removed it meanwhile
         try:
             if launcher == "direct":
                 port = str(util.free_port())
@@ -396,31 +384,58 @@ def plan_training(cfg: ClusterConfig, profile: str) -> list[TrainRun]:
 
 def count_parameters(models: tuple[str, ...] = ("resnet18", "resnet50", "resnet101", "vgg16")) -> dict:
     """Trainable parameters of torchvision's ImageNet models (in a child process: the bench
-    driver does not import the frameworks)."""
-    code = ("import json, torchvision\n"
-            f"print(json.dumps({{m: sum(p.numel() for p in getattr(torchvision.models, m)().parameters()) "
-            f"for m in {list(models)!r}}}))")
+    driver does not import the frameworks; on the meta device: shapes only, no memory, no init)."""
+    code = ("import json, torch, torchvision\n"
+            "with torch.device('meta'):\n"
+            "    print(json.dumps({m: sum(p.numel() for p in getattr(torchvision.models, m)().parameters())\n"
+            f"                      for m in {list(models)!r}}}))")
     res = util.run([util.PY, "-c", code], timeout=300)
     return json.loads(res.output.strip().splitlines()[-1]) if res.ok else {"error": util.tail(res.output)}
 
 
+def hosts_needed(cfg: ClusterConfig) -> int:
+    """The most hosts any cell of ``cfg`` runs on."""
+    counts = [*cfg.hier_hosts, *(n for ns in cfg.coll_hosts.values() for n in ns),
+              *(n for ns in cfg.train_hosts.values() for n in ns), cfg.knob_hosts if cfg.knob_profile else 1]
+    if cfg.tf_model:
+        counts += [*cfg.tf_alone_hosts, *(n for ns in cfg.tf_hosts.values() for n in ns)]
+    return max(counts, default=1)
+
+
+def merge_rerun(part: dict, rerun: dict, command: str) -> dict:
+    """``part`` (a whole cluster part) with the records of the cells ``rerun`` measured again
+    (``--cells``) in place of its own; everything else stays as measured, and when and how the
+    rerun ran (its time, machine, load, link probes, config) is kept in ``reruns``."""
+    cells = rerun["config"]["cells"]
+    merged = dict(part)
+    if "collectives" in cells:
+        merged["collectives"] = rerun["collectives"]
+    merged["training"] = [r for r in part["training"] if r["framework"] not in cells] + rerun["training"]
+    merged["quick"] = bool(part.get("quick") or rerun.get("quick"))
+    merged["reruns"] = [*part.get("reruns", []), {
+        "cells": cells, "command": command, **{k: rerun.get(k) for k in (
+            "started", "duration_s", "machine", "profiles", "config", "netem_missing")}}]
+    return merged
+
+
 def run_part(cfg: ClusterConfig, out: Path) -> dict:
-    nh = harness()
+    if hosts_needed(cfg) > cfg.hosts:
+        raise ValueError(f"cluster config: a cell needs {hosts_needed(cfg)} hosts, {cfg.hosts} are made")
     reason = nh.why_unavailable()
     if reason:
         util.say(f"cluster: skipped: {reason}")
         return {"skipped": reason, "config": cfg.to_dict()}
     netem = nh.netem_missing()
-    data: dict = {"config": cfg.to_dict(), "hosts": MAX_HOSTS, "iface": IFACE, "netem_missing": netem,
+    data: dict = {"config": cfg.to_dict(), "hosts": cfg.hosts, "iface": IFACE, "netem_missing": netem,
                   "profiles": {}, "collectives": [], "training": [],
                   "models": count_parameters(), "tcp_payload_fraction": costmodel.TCP_PAYLOAD_FRACTION}
-    names = [f"{PREFIX}h{i}" for i in range(1, MAX_HOSTS + 1)]
+    names = [f"{PREFIX}h{i}" for i in range(1, cfg.hosts + 1)]
     t0 = time.perf_counter()
-    with terminate_as_exit(), nh.make_hosts(names, prefix=PREFIX, subnet=SUBNET, iface=IFACE,
+    with util.terminate_as_exit(), nh.make_hosts(names, prefix=PREFIX, subnet=SUBNET, iface=IFACE,
                                                     hostnames=True) as hosts:
-        util.say(f"cluster: {MAX_HOSTS} hosts up ({', '.join(h.netns for h in hosts.hosts)}, "
+        util.say(f"cluster: {cfg.hosts} hosts up ({', '.join(h.netns for h in hosts.hosts)}, "
                  f"bridge in {hosts.switch})")
-        cl = Cluster(nh, hosts, out, cfg.timeout_s)
+        cl = Cluster(hosts, out, cfg.timeout_s)
         for profile in ["unshaped", *cfg.profiles]:
             prof = PROFILES[profile]
             applied = None

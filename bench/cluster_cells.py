@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from bench import cluster, util
+from bench import netns_hosts as nh
 
 PREFIX = "rcc-"
 SUBNET = "10.253.0"
@@ -128,22 +129,21 @@ def main(argv: list[str] | None = None) -> int:
     hosts = [int(h) for h in args.hosts.split(",")]
     cfg = cluster.ClusterConfig(coll_sizes=[parse_size(s) for s in args.sizes.split(",")], timeout_s=300)
     out = util.REPO / args.out
-    work = util.REPO / "bench" / "results" / "tmp" / "cells"
+    work = out.parent / "tmp" / "cells"
     given = argv if argv is not None else sys.argv[1:]
     data = {"command": "python -m bench.cluster_cells " + " ".join(given),
             "started": time.strftime("%Y-%m-%d %H:%M %Z"), "profile": args.profile, "env": dict(extra),
             "modes": {m: list(MODES[m]) for m in modes}, "config": cfg.to_dict(), "cells": []}
-    nh = cluster.harness()
     reason = nh.why_unavailable()
     if reason:
         raise SystemExit(f"cluster_cells: {reason}")
     names = [f"{PREFIX}h{i}" for i in range(1, max(hosts) + 1)]
-    with cluster.terminate_as_exit(), nh.make_hosts(names, prefix=PREFIX, subnet=SUBNET, iface=cluster.IFACE,
+    with util.terminate_as_exit(), nh.make_hosts(names, prefix=PREFIX, subnet=SUBNET, iface=cluster.IFACE,
                                                     hostnames=True) as made:
         prof = cluster.PROFILES[args.profile]
         shape = nh.LinkShape(prof.rate_bit, 0.0 if nh.netem_missing() else prof.delay_s)
         made.shape(shape)
-        cl = cluster.Cluster(nh, made, work, cfg.timeout_s)
+        cl = cluster.Cluster(made, work, cfg.timeout_s)
         cl.profile = args.profile
         data["link"] = {"label": shape.describe(), "probe": cl.probe()}
         for rnd in range(args.rounds):

@@ -1,5 +1,5 @@
 """How much each part runs: the full suite (about 35 minutes on a quiet 2-core machine, more than
-half of it the time-to-99% runs) or ``--quick`` (5-10 minutes)."""
+half of it the time-to-99% runs), ``--quick`` (5-10 minutes) or ``--smoke`` (:mod:`bench.smoke`)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ class Config:
     acc_args: list[str] = field(default_factory=list)  # extra trainer flags (quick proxy)
     acc_proxy: str | None = None  # label when the accuracy part is a proxy
     timeout_s: float = 900
+    runs: list[str] | None = None  # throughput: only these runs (names as printed), not the plan
+    copy_bytes: int = 256 << 20  # buffer of the memory copy bandwidth measurement
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -138,8 +138,9 @@ def fit_alpha_beta(points: Iterable[tuple[float, int, float]], kind: str = "ring
 
 def predicted_step(compute_s: float, allreduce_s: float, overlap: float = 0.0) -> float:
     """A data-parallel step: compute, then the gradient allreduce, of which ``overlap`` (0..1)
-    hides behind the backward pass.  0: TensorFlow's grouped allreduce after the tape (our TF
-    trainer); up to 1 when hooks start allreduces during backward (Horovod's PyTorch optimizer)."""
+    hides behind the backward pass.  0: every allreduce after the backward pass (one grouped
+    allreduce after the tape); up to 1 when allreduces start during backward as gradients become
+    ready (Horovod's PyTorch optimizer from hooks, its TensorFlow optimizer in the step's graph)."""
     return compute_s + (1 - overlap) * allreduce_s
 
 

@@ -7,6 +7,7 @@ name is what ``--profile`` selects.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,19 @@ class Run:
         suffix = f"-{self.threads}thread" if self.threads else ""
         label = f"~{self.label}" if self.label else ""
         return f"{self.framework}/{self.kind}/{self.wrapper}/{self.data}/np{self.np}{suffix}{label}"
+
+
+RUN_NAME = re.compile(r"^(torch|tf)/(trainer|loop)/(none|horovod|horovod-gloo|ddp|mwms)/"
+                      r"(mnist|synthetic)/np(\d+)(?:-(\d+)thread)?$")
+
+
+def parse_run(name: str) -> Run:
+    """The run a name like ``torch/trainer/horovod/mnist/np2`` (as the suite prints it) stands for."""
+    m = RUN_NAME.match(name)
+    if not m:
+        raise ValueError(f"{name!r} is not a run name like torch/trainer/horovod/mnist/np2 "
+                         f"or tf/loop/horovod/synthetic/np1")
+    return Run(m[1], m[2], m[3], m[4], int(m[5]), threads=int(m[6] or 0))
 
 
 @dataclass

@@ -98,6 +98,24 @@ def section(res: dict) -> list[str]:
     return lines
 
 
+CELL_NAMES = {"collectives": "collective", "torch": "PyTorch training", "tf": "Keras training"}
+
+
+def reruns(cl: dict) -> str:
+    """Which cells were measured again later (``python -m bench --only cluster --cells ...``)."""
+    said = []
+    for r in cl.get("reruns", []):
+        load = (r.get("machine") or {}).get("load_average_at_start")
+        streams = ", ".join(f"{p['label'].split(' (')[0]} {mb(p['probe'].get('stream_bytes_per_s'))} MB/s"
+                            for p in (r.get("profiles") or {}).values() if p.get("probe"))
+        cells = " and ".join(CELL_NAMES.get(c, c) for c in r["cells"])
+        said.append(f" The {cells} cells were measured again {r.get('started', '?')}, "
+                    f"{(r.get('duration_s') or 0) / 60:.0f} min, load average at start "
+                    f"{', '.join(f'{a:.2f}' for a in load) if load else 'n/a'} (`{r['command']}`; one TCP "
+                    f"stream then: {streams or 'n/a'}): their rows are from that run.")
+    return "".join(said)
+
+
 def setup(res: dict, cl: dict) -> list[str]:
     m = cl.get("machine") or res["machine"]
     load = m.get("load_average_at_start")
@@ -106,7 +124,7 @@ def setup(res: dict, cl: dict) -> list[str]:
     lines = [
         f"{cl['hosts']} Linux network namespaces on this one machine ({m['cpu_model']}, {m['cores']} "
         "cores), each a \"host\" with its own address, hostname and sshd, every host's veth on one "
-        "bridge (`tests/netns_hosts.py: make_hosts`, `bench/cluster.py`). Jobs start the way they "
+        "bridge (`bench/netns_hosts.py: make_hosts`, `bench/cluster.py`). Jobs start the way they "
         "would on a cluster: `horovodrun -H rtc-h1:1,rtc-h2:1,...` and `mpirun -H ...` over ssh from "
         "host 1; DDP and torch.distributed as one process per host. Each host's link is shaped in "
         "both directions (tc HTB at the host's egress and at its bridge port: full duplex, "
@@ -114,7 +132,7 @@ def setup(res: dict, cl: dict) -> list[str]:
         "yield while they wait (`OMPI_MCA_mpi_yield_when_idle=1`), since here a spinning rank "
         "would take a core from another \"host\". Part measured "
         f"{cl.get('started', '?')}, {cl.get('duration_s', 0) / 60:.0f} min, load average at start "
-        f"{', '.join(f'{a:.2f}' for a in load) if load else 'n/a'}.", ""]
+        f"{', '.join(f'{a:.2f}' for a in load) if load else 'n/a'}." + reruns(cl), ""]
     if netem:
         lines += [f"**No delay or loss was applied:** {netem}. The profiles' 0.2 ms and 0.05 ms are "
                   "therefore not in these numbers; the links have their natural round trip (table "
@@ -567,8 +585,9 @@ def projection_table(res: dict, cl: dict) -> list[str]:
             "At 512 GPUs on 25 GbE. " + "; ".join(verdicts) + ". Horovod as the paper ran it does "
             "overlap: `DistributedOptimizer` puts one allreduce per gradient into TensorFlow's graph "
             "(tf_cnn_benchmarks, TF1), which runs it as soon as that gradient exists, and the PyTorch "
-            "optimizer does the same from backward hooks. (Our Keras 3 trainer's single grouped "
-            "allreduce after the tape does not.) VGG-16 "
+            "optimizer does the same from backward hooks. (Our Keras 3 trainer and "
+            "`bench/bigmodel_tf.py` use the same `DistributedOptimizer`: one allreduce per gradient "
+            "in the train step's `tf.function` graph.) VGG-16 "
             "loses more than ResNet-101 because it has 3x the gradients for less compute. What the "
             "model leaves out, and where it may disagree with the paper for that reason: RDMA (the "
             "paper's RoCE costs less per byte and per step than TCP), NCCL inside each server (4 "

@@ -21,12 +21,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.config import Config
-from bench.jobs import Profiling, Run, execute
+from bench.jobs import Profiling, Run, execute, parse_run
 
 PEER = {"torch": "ddp", "tf": "mwms"}
 
 
 def plan(cfg: Config, frameworks: list[str]) -> list[Run]:
+    if cfg.runs is not None:
+        return [run for run in map(parse_run, cfg.runs) if run.framework in frameworks]
     runs: list[Run] = []
     for fw in frameworks:
         runs.append(Run(fw, "loop", "none", "synthetic", 1, threads=1))

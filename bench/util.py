@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -10,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,9 @@ def run(cmd: Sequence[str], env: dict[str, str] | None = None, timeout: float = 
     """Run to completion; output goes to ``log`` (kept for post-mortems) and is returned.
 
     The job gets its own process group so that a timeout ends the launcher *and* the ranks it
-    started (killing only ``horovodrun`` would leave them running and skew the next run).
+    started (killing only ``horovodrun`` would leave them running and skew the next run); so does
+    the driver's own end (Ctrl-C, or SIGTERM under :func:`terminate_as_exit`): the job is in
+    another session, which no signal to the driver reaches.
     """
     t0 = time.perf_counter()
     proc = subprocess.Popen(list(cmd), env=env or base_env(), cwd=REPO, stdout=subprocess.PIPE,
@@ -101,6 +104,9 @@ def run(cmd: Sequence[str], env: dict[str, str] | None = None, timeout: float = 
         kill_group(proc)
         out, _ = proc.communicate()
         code, out = 124, (out or "") + f"\n[bench] timed out after {timeout}s"
+    except BaseException:
+        kill_group(proc)
+        raise
     seconds = time.perf_counter() - t0
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -113,6 +119,20 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+@contextlib.contextmanager
+def terminate_as_exit() -> Iterator[None]:
+    """SIGTERM/SIGHUP raise SystemExit here, so that cleanups run as on Ctrl-C: the running job's
+    process group is killed (:func:`run`), the cluster's hosts are torn down."""
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def run_parallel(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
@@ -134,6 +154,10 @@ def run_parallel(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
             out, _ = p.communicate()
             out += f"\n[bench] timed out after {timeout}s"
             code = 124
+        except BaseException:  # the driver ends (see run)
+            for q in procs:
+                kill_group(q)
+            raise
         outs.append(f"--- process {i} ---\n{out}")
         code = code or p.returncode
     out = "\n".join(outs)

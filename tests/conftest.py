@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from bench import netns_hosts
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SMALL = ["--train-samples", "1024", "--test-samples", "500", "--batch-size", "32", "--no-progress"]
@@ -95,10 +97,8 @@ requires_horovod = pytest.mark.skipif(not horovod_ready(), reason="horovod is no
 
 @pytest.fixture(scope="module")
 def hosts():
-    """Two network-namespace "hosts" with their own addresses and sshd (tests/netns_hosts.py),
+    """Two network-namespace "hosts" with their own addresses and sshd (bench/netns_hosts.py),
     shared by a test module; the module skips with the reason where they cannot be made."""
-    import netns_hosts
-
     try:
         with netns_hosts.two_hosts() as made:
             yield made

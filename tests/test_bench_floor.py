@@ -4,16 +4,9 @@ checks that every cell ran and produced its figures, never how fast anything was
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 
 from bench import floor, loopcounters, report_floor
-from tests.conftest import REPO, horovod_ready
 
 
 def coll(np, impl, loop, seconds):
@@ -89,45 +82,3 @@ def test_floor_report_renders_every_table():
     assert "over its cells 1.00-1.50" in md
     quick = "\n".join(report_floor.section({"meta": {"quick": True}, "floor": fake_floor()}))
     assert "100.00x" not in quick
-
-
-@pytest.mark.timeout(900)
-@pytest.mark.skipif(not horovod_ready(), reason="needs the environment from .ci/setup")
-def test_floor_entry_point_smoke(tmp_path):
-    """``python -m bench --only floor --smoke``: every cell of the part runs once at its smallest
-    (both loops, mpi4py, fusion, a waiting rank, the trainer, the loop and DDP) and the report
-    renders section 7."""
-    md = tmp_path / "BENCHMARKS.md"
-    cmd = [sys.executable, "-m", "bench", "--only", "floor", "--smoke", "--out", str(tmp_path / "results"),
-           "--markdown", str(md)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=840)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launchers and every rank they started
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out:\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-3000:]
-    fl = json.loads((tmp_path / "results" / "floor.json").read_text())
-    failed = [c for key in ("collectives", "fusion", "wait", "training") for c in fl[key] if not c["ok"]]
-    assert not failed, failed
-    assert {(c["impl"], c["loop"]) for c in fl["collectives"]} == {
-        ("horovod-mpi", "upstream"), ("horovod-mpi", "patched"), ("mpi4py", "-")}
-    for rec in fl["fusion"]:  # the counters saw the step's gradients go through allreduce calls
-        for rank in rec["per_rank"]:
-            assert rank["allreduce_calls_per_step"] >= 1
-            assert rank["tensors_per_call"] * rank["allreduce_calls_per_step"] == rec["gradients"]
-    assert {r["wrapper"] for r in fl["training"]} == {"horovod", "ddp"}
-    assert all(r["images_per_second"] > 0 for r in fl["training"])
-    text = md.read_text()
-    assert "## 7." in text and "QUICK MODE" in text
-
-
-def test_smoke_needs_the_floor_part():
-    proc = subprocess.run([sys.executable, "-m", "bench", "--only", "collectives", "--smoke"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["error: --smoke runs only the floor part; add --only floor"]

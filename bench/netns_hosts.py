@@ -1,7 +1,8 @@
 """Throwaway "hosts" on this machine: Linux network namespaces, each with its own address and
 its own sshd, joined by a veth pair (two hosts) or through a bridge (N hosts), with optional tc
-shaping of every host's link.  For testing the multi-host launch path as root, and for the
-emulated cluster of ``bench/cluster.py``.
+shaping of every host's link.  For testing the multi-host launch path as root
+(``tests/conftest.py: hosts``, ``tests/test_multihost.py``), and for the emulated cluster of
+``bench/cluster.py`` and ``bench/cluster_cells.py``; all of them import it as ``bench.netns_hosts``.
 
 Two hosts (:func:`two_hosts`, what ``tests/test_multihost.py`` uses).  Names carry this
 process's pid so parallel or stale runs never collide::

@@ -1,0 +1,358 @@
+"""Every benchmark entry point at its smallest size, so that an import or API drift fails here and
+not in the next full run of the suite.
+
+* each part of ``python -m bench --smoke`` (throughput, collectives, accuracy, floor; as root the
+  cluster), ``--profile`` (its samples where py-spy is installed), and SIGTERM to the driver;
+* every worker the parts launch: ``bench/torch_loop.py``, ``bench/tf_loop.py`` and
+  ``bench/rankexec.py`` (throughput, floor), ``bench/coll_worker.py`` (collectives, floor, cluster,
+  and its hierarchical mode here), ``bench/bigmodel_torch.py`` and ``bench/bigmodel_tf.py`` (here,
+  with each wrapper that starts or exchanges differently, and in the cluster), ``bench/linkprobe.py``
+  (here, and in the cluster);
+* ``python -m bench.cluster_cells`` (as root) and ``python -m bench.report``.
+
+What is asserted is what the report needs and what the runs must get right (every record ok, each
+rank accounted for, the sums an allreduce must produce, identical weights on every rank after an
+exchange), never a speed.  Output goes to ``tmp_path``; ``bench/results`` and ``BENCHMARKS.md`` are
+checked untouched.  Every launch runs in its own process group under a time limit (:func:`launch`:
+SIGTERM, then SIGKILL to the group); the network-namespace hosts are checked removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import BIN, REPO, requires_horovod
+
+from bench import netns_hosts, smoke, util
+
+PY = sys.executable
+LIMIT = 300  # seconds for one launch (a smoke part runs several, each under smoke.TIMEOUT_S)
+pytestmark = [requires_horovod, pytest.mark.timeout(LIMIT + 60)]  # tests that launch more say so
+GUARDED = [REPO / "BENCHMARKS.md", *sorted((REPO / "bench" / "results").glob("*.json")),
+           *sorted((REPO / "bench" / "results").glob("*.png"))]
+
+
+def digest(paths: list[Path]) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() if p.exists() else "" for p in paths}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def results_untouched():
+    """No smoke run may write into the committed results or the report."""
+    before = digest(GUARDED)
+    yield
+    assert digest(GUARDED) == before, "a smoke run wrote into bench/results or BENCHMARKS.md"
+
+
+def launch(cmd: list[str], tmp_path: Path, timeout: float = LIMIT) -> str:
+    """Run ``cmd`` in its own process group; fail with its output's tail unless it exits 0.  Past
+    ``timeout``: SIGTERM first (``python -m bench`` then kills its running job and tears its
+    hosts down), SIGKILL to the group 30 s later; whatever is left in the group is killed."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=util.base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        util.kill_group(proc, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            util.kill_group(proc)
+            out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{util.tail(out, 60)}")
+    finally:
+        util.kill_group(proc)
+    (tmp_path / "launch.log").write_text(f"$ {' '.join(cmd)}\n{out}")
+    if proc.returncode != 0:
+        pytest.fail(f"rc={proc.returncode}: {' '.join(cmd)}\n{util.tail(out, 60)}")
+    return out
+
+
+def bench(tmp_path: Path, *args: str, timeout: float = LIMIT) -> tuple[Path, str]:
+    """``python -m bench --smoke --out tmp_path/out ARGS``: the results folder and the report."""
+    out = tmp_path / "out"
+    launch([PY, "-m", "bench", "--smoke", "--out", str(out), *args], tmp_path, timeout)
+    md = out / "BENCHMARKS.md"
+    return out, md.read_text() if md.exists() else ""
+
+
+def failed(records: list[dict]) -> str:
+    return "\n".join(f"{r.get('name') or r.get('impl') or r.get('label')}: {r.get('error')}"
+                     for r in records if not r.get("ok", True))
+
+
+# -- the parts ---------------------------------------------------------------------------------
+
+@pytest.mark.timeout(2 * LIMIT + 60)
+def test_throughput_part(tmp_path):
+    out, md = bench(tmp_path, "--only", "throughput", timeout=2 * LIMIT)
+    runs = json.loads((out / "throughput.json").read_text())["runs"]
+    assert [r["name"] for r in runs] == smoke.THROUGHPUT_RUNS
+    assert all(r["ok"] for r in runs), failed(runs)
+    for r in runs:
+        assert r["images_per_second"] > 0, r
+        # bench/rankexec.py wrapped every rank of every launcher and recorded its peak memory
+        assert len(r["peak_rss_mib"]) == r["np"] and min(r["peak_rss_mib"]) > 0, r
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["quick"] and results["throughput"]["runs"] == runs
+    assert "## 1. Training throughput and scaling" in md and "QUICK MODE" in md
+
+
+def test_collectives_part(tmp_path):
+    out, md = bench(tmp_path, "--only", "collectives")
+    runs = json.loads((out / "collectives.json").read_text())["runs"]
+    assert {r["impl"] for r in runs} == {"horovod-mpi", "horovod-gloo", "mpi4py-allreduce", "torch-gloo",
+                                         "mpi4py-param-server"}
+    assert all(r["ok"] for r in runs), failed(runs)
+    for r in runs:
+        assert r["controller"] == ("gloo" if r["impl"] in ("horovod-gloo", "torch-gloo") else "mpi"), r
+        (row,) = r["rows"]
+        assert row["bytes"] == 4096 and row["seconds"] > 0 and row["busbw"] > 0
+    ps = next(r for r in runs if r["impl"] == "mpi4py-param-server")["rows"][0]
+    assert ps["moved_bytes_per_rank"][0] == [4096, 4096]  # the server's own count: (N-1) x K each way
+    assert "## 4. Allreduce" in md
+
+
+def test_accuracy_part(tmp_path):
+    out, md = bench(tmp_path, "--only", "accuracy")
+    acc = json.loads((out / "accuracy.json").read_text())
+    assert [r["framework"] for r in acc["runs"]] == ["torch", "tf"]
+    assert all(r["ok"] for r in acc["runs"]), failed(acc["runs"])
+    for r in acc["runs"]:
+        # the trainer's epoch line was parsed, and the job was stopped there: the target (0%) was met
+        assert r["epoch_reached"] == 1 and r["stopped_at_target"], r
+        assert [e["epoch"] for e in r["epochs"]] == [1] and 0 <= r["epochs"][0]["test_accuracy"] <= 1
+    assert "## 5. Time to 0% test accuracy" in md
+
+
+def test_floor_part(tmp_path):
+    """Every cell kind of the floor part once: the allreduce on both loops (0.28.1's and the
+    patched one) and mpi4py, fusion, a waiting rank, the trainer, the loop and DDP on the patched
+    loop; section 7 renders."""
+    out, md = bench(tmp_path, "--only", "floor")
+    fl = json.loads((out / "floor.json").read_text())
+    for key in ("collectives", "fusion", "wait", "training"):
+        assert fl[key] and all(c["ok"] for c in fl[key]), failed(fl[key])
+    assert {(c["impl"], c["loop"]) for c in fl["collectives"]} == {
+        ("horovod-mpi", "upstream"), ("horovod-mpi", "patched"), ("mpi4py", "-")}
+    for rec in fl["fusion"]:  # the counters saw the step's gradients go through allreduce calls
+        for rank in rec["per_rank"]:
+            assert rank["allreduce_calls_per_step"] >= 1
+            assert rank["tensors_per_call"] * rank["allreduce_calls_per_step"] == rec["gradients"]
+    assert {r["wrapper"] for r in fl["training"]} == {"horovod", "ddp"}
+    assert all(r["images_per_second"] > 0 for r in fl["training"])
+    assert "## 7." in md and "QUICK MODE" in md
+
+
+def test_profile(tmp_path):
+    """``--profile RUN`` runs that run alone, wrapped for py-spy on rank 0; without py-spy (not in
+    the test extra) the run still goes through that path, and the test skips what needs samples."""
+    out, _ = bench(tmp_path, "--profile", "torch/loop/none/synthetic/np1")
+    prof = json.loads((out / "profile.json").read_text())
+    assert prof["target"] == "torch/loop/none/synthetic/np1" and prof["run"]["ok"] and prof["run"]["profiled"]
+    if (shutil.which("py-spy", path=str(BIN)) or shutil.which("py-spy")) is None:
+        pytest.skip("py-spy is not installed (the bench extra: pip install -e '.[bench]'): the run went "
+                    "through --profile but nothing was sampled")
+    assert prof["pyspy"]["samples"] > 0 and prof["pyspy"]["categories"]
+
+
+def processes_naming(folder: Path, but: int) -> dict[int, list[str]]:
+    """Live processes (other than ``but``) whose command line names something under ``folder``."""
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        pid = int(cmdline.parent.name)
+        if any(str(folder) in arg for arg in argv) and pid != but:
+            found[pid] = argv
+    return found
+
+
+def test_sigterm_ends_the_running_job(tmp_path):
+    """SIGTERM to ``python -m bench`` (a CI timeout, a scheduler) ends the job it is running too,
+    ranks included, though jobs run in their own session, out of the signal's reach."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([PY, "-m", "bench", "--smoke", "--only", "collectives", "--out", str(out)],
+                            cwd=REPO, env=util.base_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        def ranks() -> list[int]:
+            return [pid for pid, argv in processes_naming(out, proc.pid).items()
+                    if argv[1:3] == ["-m", "bench.coll_worker"]]
+
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline and not ranks():
+            time.sleep(0.1)
+        assert proc.poll() is None, "the part ended before a rank started"
+        assert ranks(), "no rank started in 120 s"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30  # horovodrun's middleman gives mpirun 5 s to end its ranks
+        while processes_naming(out, proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not processes_naming(out, proc.pid), processes_naming(out, proc.pid)
+    finally:
+        util.kill_group(proc)
+        proc.wait()
+        for pid in processes_naming(out, proc.pid):  # what the test failed over, ended all the same
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+# -- the workers the cluster part launches, here on one host -------------------------------------
+
+# float32 gradients: torchvision's ResNet-18, and bigmodel_tf's 4-tensor ``tiny``
+# (3x3x3x8 + 8, 8 x 1000 + 1000)
+GRADIENT_BYTES = {"resnet18": 11_689_512 * 4, "tiny": 9_224 * 4}
+
+
+@pytest.mark.parametrize("framework,wrapper,model,np", [
+    ("torch", "alone", "resnet18", 2), ("torch", "horovod", "resnet18", 2), ("torch", "ddp", "resnet18", 2),
+    ("tf", "horovod", "tiny", 2)])
+def test_bigmodel_worker(framework, wrapper, model, np, tmp_path):
+    """Each wrapper that starts or exchanges differently (``none`` is ``alone`` without its TCP
+    barrier; the barrier is shared code), on the cluster's ResNet-18 for PyTorch and on ``tiny``
+    for Keras: tracing ResNet-50's step is a minute of CPU, Keras's part of the code is the same."""
+    result = tmp_path / "result.json"
+    inner = [PY, "-m", f"bench.bigmodel_{framework}", "--wrapper", wrapper, "--model", model,
+             "--batch-size", "2", "--warmup-steps", "1", "--steps", "1", "--out", str(result)]
+    if wrapper == "horovod":
+        launch([str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", *inner], tmp_path)
+    elif wrapper == "ddp":
+        launch(util.torchrun(np, inner), tmp_path)
+    else:  # as the cluster starts them: one process per rank, env:// variables
+        port = str(util.free_port())
+        envs = [util.base_env(RANK=str(r), WORLD_SIZE=str(np), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                for r in range(np)]
+        res = util.run_parallel([inner] * np, envs, timeout=LIMIT, log=tmp_path / "launch.log")
+        assert res.ok, util.tail(res.output, 60)
+    doc = json.loads(result.read_text())
+    assert doc["world_size"] == np and doc["timed_steps"] == 1 and doc["seconds_per_step"] > 0
+    assert doc["model"] == model and doc["gradient_bytes"] == GRADIENT_BYTES[model]
+    if wrapper in ("none", "alone"):
+        assert len(doc["weight_sums"]) == 1
+    else:  # ranks start from different seeds and batches: the exchange made them equal
+        assert len(doc["weight_sums"]) == np and len(set(doc["weight_sums"])) == 1, doc
+
+
+def test_coll_worker_hierarchical(tmp_path):
+    """``--impl hier`` (only the cluster's 2-ranks-per-host cells use it): on one host, the
+    two-level allreduce is a reduce and a broadcast on that host."""
+    result = tmp_path / "result.json"
+    launch(util.mpirun(2, [PY, "-m", "bench.coll_worker", "--impl", "hier", "--sizes", "4096,65536",
+                           "--warmup", "1", "--reps", "1", "--out", str(result)]), tmp_path)
+    doc = json.loads(result.read_text())
+    assert doc["world_size"] == 2 and [r["bytes"] for r in doc["rows"]] == [4096, 65536]
+    assert all(len(r["cpu_per_rank"]) == 2 for r in doc["rows"])
+
+
+def test_linkprobe(tmp_path):
+    port = str(util.free_port())
+    server = subprocess.Popen([PY, "-m", "bench.linkprobe", "server", "127.0.0.1", port], cwd=REPO,
+                              env=util.base_env(), start_new_session=True)
+    try:
+        out = launch([PY, "-m", "bench.linkprobe", "client", "127.0.0.1", port], tmp_path, timeout=120)
+        assert server.wait(timeout=30) == 0  # the server ends when the client hangs up
+    finally:
+        util.kill_group(server)
+        server.wait()
+    probe = json.loads(out.strip().splitlines()[-1])
+    assert probe["stream_bytes"] == 64 << 20 and len(probe["streams_bytes_per_s"]) == 3
+    assert probe["rtt_s"] > 0 and probe["stream_bytes_per_s"] == max(probe["streams_bytes_per_s"])
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+def test_report_renders_the_committed_results_to_the_committed_report(tmp_path):
+    """``python -m bench.report`` on a copy of bench/results renders BENCHMARKS.md byte for byte:
+    the report cannot drift from its generator or its data (after changing either, run
+    ``python -m bench.report``)."""
+    results = tmp_path / "bench" / "results"
+    results.mkdir(parents=True)
+    for name in ("results.json", "profile.json"):
+        if (REPO / "bench" / "results" / name).exists():
+            shutil.copy(REPO / "bench" / "results" / name, results / name)
+    launch([PY, "-m", "bench.report", "--out", str(results), "--markdown", str(tmp_path / "BENCHMARKS.md")],
+           tmp_path, timeout=120)
+    rendered = (tmp_path / "BENCHMARKS.md").read_text()
+    assert rendered == (REPO / "BENCHMARKS.md").read_text(), (
+        "BENCHMARKS.md is not what `python -m bench.report` renders from bench/results: re-render it")
+    assert {p.name for p in results.glob("*.png")} >= {"scaling.png", "bandwidth.png", "accuracy.png"}
+
+
+# -- as root: the emulated cluster -----------------------------------------------------------------
+
+def namespaces() -> set[str]:
+    proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
+
+
+@pytest.fixture
+def netns_root():
+    """Skip where network-namespace hosts cannot be made; afterwards, none of the run's are left."""
+    reason = netns_hosts.why_unavailable()
+    if reason:
+        pytest.skip(f"the emulated cluster cannot be made here: {reason}")
+    before = namespaces()
+    yield
+    left = {ns for ns in namespaces() - before if ns.startswith(("rtc-", "rcc-"))}
+    for prefix in ("rtc-", "rcc-"):  # a killed run's hosts must not outlive the test either
+        netns_hosts.remove_stale(prefix)
+    assert not left, f"network namespaces left behind: {left}"
+
+
+@pytest.mark.timeout(2 * LIMIT + 60)
+def test_cluster_part(tmp_path, netns_root):
+    """The smoke cells rerun (``--cells collectives,tf``) over a copy of the committed cluster part:
+    they replace its collectives and Keras rows, its PyTorch rows stay, the rerun is recorded."""
+    committed = json.loads((REPO / "bench" / "results" / "cluster.json").read_text())
+    (tmp_path / "out").mkdir()
+    shutil.copy(REPO / "bench" / "results" / "cluster.json", tmp_path / "out" / "cluster.json")
+    out, md = bench(tmp_path, "--only", "cluster", "--cells", "collectives,tf", timeout=2 * LIMIT)
+    cl = json.loads((out / "cluster.json").read_text())
+    assert "skipped" not in cl, cl.get("skipped")
+    assert [r for r in cl["training"] if r["framework"] == "torch"] == [
+        r for r in committed["training"] if r["framework"] == "torch"]
+    rerun = cl["reruns"][-1]
+    assert rerun["cells"] == ["collectives", "tf"] and "--cells collectives,tf" in rerun["command"]
+    assert "The collective and Keras training cells were measured again" in md
+    cl = {**cl, "profiles": rerun["profiles"]}  # the smoke run's own link probes
+    assert set(cl["profiles"]) == {"unshaped", "1g"}
+    for name, prof in cl["profiles"].items():
+        assert prof["probe"].get("stream_bytes_per_s", 0) > 0, (name, prof["probe"])
+    assert all(c["ok"] for c in cl["collectives"]), failed(cl["collectives"])
+    assert {c["impl"] for c in cl["collectives"]} == set(smoke.cluster_config().coll_impls)
+    for c in cl["collectives"]:
+        (row,) = c["rows"]
+        assert row["hosts_seen"] == 2  # one rank in each host's namespace
+        assert row["busiest_link_bytes"] >= 64 * 1024  # counted by the kernel on the host's link
+    (train,) = [r for r in cl["training"] if r["framework"] == "tf"]
+    assert train["ok"], train.get("error")
+    assert train["name"] == "tf/horovod/default/1g/h2x1"
+    sums = train["result"]["weight_sums"]
+    assert len(sums) == 2 and sums[0] == sums[1]
+    assert "## 6. Emulated cluster" in md
+
+
+def test_cluster_cells(tmp_path, netns_root):
+    result = tmp_path / "cells.json"
+    launch([PY, "-m", "bench.cluster_cells", "--hosts", "2", "--sizes", "64K", "--impls", "mpi4py-ring",
+            "--modes", "plain,nice", "--rounds", "1", "--out", str(result)], tmp_path)
+    doc = json.loads(result.read_text())
+    assert [(c["mode"], c["ok"]) for c in doc["cells"]] == [("plain", True), ("nice", True)], doc["cells"]
+    lines = {line["mode"]: line for line in doc["summary"]}
+    # the nice mode really ran every rank at nice -15, the plain one at 0
+    assert lines["nice"]["nice"] == [-15] and lines["plain"]["nice"] == [0]
+    assert (tmp_path / "tmp" / "cells").is_dir()  # its work files went next to --out
