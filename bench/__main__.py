@@ -6,7 +6,9 @@ DDP / MultiWorkerMirroredStrategy: one part, because they share runs), ``collect
 ``accuracy`` (time to 99%): the default; ``cluster`` (an emulated cluster of network-namespace
 hosts with shaped links: collectives, bandwidth-bound training, cost model and projection; root
 only) and ``floor`` (Horovod's small-message floor on one host): ``--only cluster,floor``, what
-``make bench-cluster`` runs.  Each part's JSON is written to ``<out>/<part>.json`` as soon as it
+``make bench-cluster`` runs; ``data`` (image folders read while training: memory against the
+folder's size, throughput against one fixed batch; PyTorch): ``--only data``.
+Each part's JSON is written to ``<out>/<part>.json`` as soon as it
 finishes; ``results.json`` merges the latest of each, so ``--only`` reruns one part and keeps the
 others.  ``--profile RUN`` runs only that run (names as printed, e.g.
 ``torch/trainer/horovod/mnist/np2``) under py-spy, optionally with Horovod's timeline.
@@ -20,7 +22,19 @@ import sys
 import time
 from pathlib import Path
 
-from bench import accuracy, cluster, collectives, config, floor, machine, profiling, report, throughput, util
+from bench import (
+    accuracy,
+    cluster,
+    collectives,
+    config,
+    floor,
+    machine,
+    owndata,
+    profiling,
+    report,
+    throughput,
+    util,
+)
 from bench.jobs import Profiling, Run, execute
 
 PARTS = report.PARTS
@@ -97,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
             data = cluster.run_part(cluster.quick() if args.quick else cluster.full(), out)
         elif part == "floor":
             data = floor.run_part(floor.quick() if args.quick else floor.full(), out)
+        elif part == "data":
+            supported = [f for f in frameworks if f in owndata.FRAMEWORKS]
+            if not supported:
+                util.say(f"data: measures {', '.join(owndata.FRAMEWORKS)} only; skipped")
+                continue
+            data = owndata.run_part((owndata.quick if args.quick else owndata.full)(supported), out)
         else:
             data = accuracy.run_part(cfg, out, frameworks)
         data["quick"] = cfg.quick
