@@ -252,7 +252,8 @@ def rank_memory(record: dict) -> dict[str, Any]:
             "workers": len(workers), "workers_peak_rss_mib": largest("peak_rss_mib"),
             "workers_max_pss_mib": largest("max_pss_mib"), "workers_max_uss_mib": largest("max_uss_mib"),
             "workers_cpu_seconds": round(sum(d["cpu_seconds"] for d in workers), 2),
-            "forkserver_peak_rss_mib": round(server[0]["peak_rss_mib"], 1) if server else None}
+            "forkserver_peak_rss_mib": round(server[0]["peak_rss_mib"], 1) if server else None,
+            "forkserver_max_uss_mib": round(server[0]["max_uss_mib"], 1) if server else None}
 
 
 def memory_jobs(cfg: DataConfig, fw: str) -> list[Job]:

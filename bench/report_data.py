@@ -36,6 +36,11 @@ def _mib(nbytes: float | None) -> float | None:
     return None if nbytes is None else nbytes / 2**20
 
 
+def _largest(run: dict, key: str) -> float | None:
+    values = [q.get(key) for q in run["ranks"] if q.get(key) is not None]
+    return max(values) if values else None
+
+
 def memory_summary(data: dict) -> dict[int, dict[str, Any]]:
     """Per training-set size: the largest rank's peak RSS in each run and their mean, the same
     for the workers, and the file-name list's size."""
@@ -49,6 +54,8 @@ def memory_summary(data: dict) -> dict[int, dict[str, Any]]:
                   "workers": _mean([max(w) for w in workers if w]),
                   "workers_uss": _mean([max(w) for w in uss if w]),
                   "workers_count": sorted({q["workers"] for r in runs for q in r["ranks"]}),
+                  "server": _mean([_largest(r, "forkserver_peak_rss_mib") for r in runs]),
+                  "server_uss": _mean([_largest(r, "forkserver_max_uss_mib") for r in runs]),
                   "list_mib": _mib(data["folders"].get(f"mem-{n}", {}).get("list_bytes"))}
     return out
 
@@ -150,7 +157,8 @@ def _memory(data: dict, rx) -> list[str]:
     for n, m in mem.items():
         rows.append([f"{n:,}", f"{1024 * m['list_mib']:.0f}" if m["list_mib"] is not None else "n/a",
                      str(len(m["runs"])), " / ".join(f"{v:.0f}" for v in m["rank_peaks"]), num(m["rank"]),
-                     ", ".join(str(c) for c in m["workers_count"]), num(m["workers"]), num(m["workers_uss"])])
+                     ", ".join(str(c) for c in m["workers_count"]), num(m["workers"]), num(m["workers_uss"]),
+                     f"{num(m['server'])} / {num(m['server_uss'])}"])
     lines = ["### 8.1 Memory: a rank does not hold the folder", "",
              f"The real trainer (`--model cnn`, {cfg['memory_image_size']}x{cfg['memory_image_size']} "
              f"RGB, `--epochs 1 --max-steps {cfg['memory_steps']} --test-samples {cfg['memory_test']}`, "
@@ -159,12 +167,15 @@ def _memory(data: dict, rx) -> list[str]:
              f"{cfg['memory_rounds']} round(s) in alternating order. *Rank peak RSS*: `ru_maxrss` of "
              "the rank process (the largest rank of each run, then their mean). *Workers*: the "
              "rank's DataLoader worker processes (training and evaluation loaders), sampled every "
-             "0.5 s from `/proc` (`bench/procs.py`): the largest one's peak RSS (`VmHWM`) and USS "
+             "0.5 s from `/proc` (`bench/procs.py`; one that lives less than that can be missed): "
+             "the largest one's peak RSS (`VmHWM`) and USS "
              "(its private pages: what it adds to the machine; its RSS also counts the library pages "
-             "it shares). *File-name list*: the bytes of the paths and labels arrays a rank keeps "
+             "it shares); the *fork server* they are forked from holds PyTorch once per rank. "
+             "*File-name list*: the bytes of the paths and labels arrays a rank keeps "
              "(`ringtrain/data/folder.py`).", "",
              table(["training images", "file-name list KiB", "runs", "rank peak RSS MiB (each run)",
-                    "mean", "workers per rank", "worker peak RSS MiB", "worker USS MiB"], rows), ""]
+                    "mean", "workers seen per rank", "worker peak RSS MiB", "worker USS MiB",
+                    "fork server peak RSS / USS MiB"], rows), ""]
     verdict = memory_verdict(data)
     if verdict:
         withheld = rx(1.0) == WITHHELD
