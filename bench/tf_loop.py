@@ -36,7 +36,7 @@ from tf_models.model import build_cnn  # noqa: E402
 def dataset(args, rank: int, size: int, global_batch: int) -> tf.data.Dataset:
     if args.data == "synthetic":
         x, y = synthetic_batch(global_batch, rank)
-        return tf.data.Dataset.from_tensors((x[..., None], y)).repeat()
+        return tf.data.Dataset.from_tensors((x, y)).repeat()  # [B, 28, 28, 1]
     images, labels, idx = mnist_shard(rank, size)
     ds = tf.data.Dataset.from_tensor_slices((images[idx][..., None], labels[idx]))
     return ds.repeat().batch(global_batch, drop_remainder=True).prefetch(2)
