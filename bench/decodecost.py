@@ -9,7 +9,9 @@ seconds per image of:
 * ``load_resize``: the same to half the size: decode + bilinear resize (a folder of photos larger
   than ``--image-size``);
 * ``item``: ``torch_models.data.FolderImages[i]``, the whole item a PyTorch worker produces
-  (decode, normalise, channels first, to a tensor), before the DataLoader batches it.
+  (decode, normalise, channels first, to a tensor), before the DataLoader batches it;
+* ``batch``: ``FolderData.batch`` on 64 indices at a time, per image: what TensorFlow's
+  ``tf.data`` map runs (decode and normalise a whole batch).
 
 Each is timed twice over the same files (the first pass also warms the page cache); the second
 counts.
@@ -33,6 +35,11 @@ def timed(fn, items) -> dict[str, float]:
     n = len(items)
     return {"cpu_us": (time.process_time() - cpu) / n * 1e6,
             "wall_us": (time.perf_counter() - wall) / n * 1e6}
+
+
+def per_image(cost: dict[str, float], images: int, calls: int) -> dict[str, float]:
+    """A per-call cost as per image, over ``calls`` calls that read ``images`` images."""
+    return {k: v * calls / images for k, v in cost.items()}
 
 
 def main() -> None:
@@ -66,6 +73,8 @@ def main() -> None:
               "load_resize": timed(lambda i: images.load(paths[i], half), picks),
               "load_resize_to": list(half),
               "item": timed(lambda i: dataset[i], picks),
+              "batch": per_image(timed(lambda s: dataset.data.batch("train", np.arange(s, min(s + 64, n))),
+                                       list(range(0, n, 64))), n, len(range(0, n, 64))),
               "mean_file_bytes": float(np.mean([len(open(p, "rb").read()) for p in paths]))}
     write_json(Path(args.out), result)
 

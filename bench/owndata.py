@@ -37,7 +37,7 @@ from ringtrain.runtime import available_cores, threads_per_rank
 from tests.image_folders import shapes_folder  # the tests' folders: one writer for both
 
 RESNET = "torchvision.models:resnet18"
-FRAMEWORKS = ("torch",)  # TensorFlow's tf.data path: not measured yet
+FRAMEWORKS = ("torch", "tf")
 
 
 @dataclass
@@ -51,6 +51,7 @@ class Model:
     loop_steps: int
     trainer_steps: int  # trainer: --max-steps of each of its 2 epochs (the 2nd is timed)
     sweep: bool = False  # also the folder loop at every count in DataConfig.sweep_workers
+    frameworks: tuple[str, ...] = ("torch", "tf")  # ResNet-18 is torchvision's: PyTorch only
 
 
 @dataclass
@@ -80,14 +81,14 @@ class DataConfig:
 def full(frameworks: list[str] | None = None) -> DataConfig:
     return DataConfig("full", frameworks=frameworks or ["torch"], models=[
         Model("cnn", "cnn", 32, 8000, 500, 10, 50, 50, sweep=True),
-        Model("resnet18", RESNET, 64, 3000, 300, 3, 15, 15)])
+        Model("resnet18", RESNET, 64, 3000, 300, 3, 15, 15, frameworks=("torch",))])
 
 
 def quick(frameworks: list[str] | None = None) -> DataConfig:
     """A few minutes: one round, no --workers sweep, a 20x memory ratio instead of 40x."""
     return DataConfig("quick", frameworks=frameworks or ["torch"], rounds=1, models=[
         Model("cnn", "cnn", 32, 2000, 200, 5, 20, 20),
-        Model("resnet18", RESNET, 64, 600, 100, 2, 4, 4)],
+        Model("resnet18", RESNET, 64, 600, 100, 2, 4, 4, frameworks=("torch",))],
         memory_sizes=(2000, 40000), memory_np=1, memory_steps=10, memory_rounds=1,
         decode_images=500, timeout_s=300)
 
@@ -211,8 +212,9 @@ def execute(cfg: DataConfig, job: Job, folders: dict, models: dict[str, Model], 
     ranks = rank_records(work)
     record: dict[str, Any] = {**asdict(job), "ok": res.ok, "load_1min_at_start": load[0] if load else None,
                               "wall_seconds": round(res.seconds, 1),
-                              "workers_used": job.workers if job.workers is not None
-                              else threads_per_rank(job.np) if job.data == "folder" else None,
+                              "workers_used": (job.workers if job.workers is not None
+                                               else default_workers(job.framework, job.np))
+                              if job.data == "folder" else None,
                               "peak_rss_mib": [round(r["peak_rss_mib"], 1) for r in ranks],
                               "ranks": [rank_memory(r) for r in ranks], "images_per_second": None}
     if res.ok and job.kind == "trainer":
@@ -224,9 +226,10 @@ def execute(cfg: DataConfig, job: Job, folders: dict, models: dict[str, Model], 
         loop = util.read_json(work / "loop.json")
         record["images_per_second"] = loop["images_per_second"]
         record["rank0_cores_busy"] = round(loop["rank0_cores_busy"], 3)
+        if "workers" in loop:
+            record["workers_used"] = loop["workers"]
         if "rank0_workers_cores_busy" in loop:
             record["rank0_workers_cores_busy"] = round(loop["rank0_workers_cores_busy"], 3)
-            record["workers_used"] = loop["workers"]
     record["ok"] = res.ok and record["images_per_second"] is not None
     if not record["ok"]:
         record["error"] = util.tail(res.output, 25)
@@ -265,15 +268,23 @@ def memory_jobs(cfg: DataConfig, fw: str) -> list[Job]:
     return jobs
 
 
+def default_workers(fw: str, n: int) -> int:
+    """The trainers' --workers default at -np n on this host (TensorFlow runs at least one
+    thread: 0 means 1 there)."""
+    return threads_per_rank(n) if fw == "torch" else max(1, threads_per_rank(n))
+
+
 def throughput_jobs(cfg: DataConfig, fw: str) -> list[Job]:
     """Per model and -np, round after round: fixed, trainer, folder loop, then the other way
     round (ABC CBA: a drift in the machine's load hits every side alike); the --workers sweep of
     the folder loop in the first round."""
     jobs = []
     for m in cfg.models:
+        if fw not in m.frameworks:
+            continue
         for n in cfg.nps:
             key = f"model-{m.name}"
-            default = threads_per_rank(n)
+            default = default_workers(fw, n)
             for r in range(1, cfg.rounds + 1):
                 sides = [Job(f"{fw}/loop/fixed/{m.name}/np{n}/r{r}", fw, "loop", "fixed", m.name, n, r),
                          Job(f"{fw}/trainer/folder/{m.name}/np{n}/r{r}", fw, "trainer", "folder",
@@ -284,7 +295,7 @@ def throughput_jobs(cfg: DataConfig, fw: str) -> list[Job]:
                 if r == 1 and m.sweep:
                     jobs += [Job(f"{fw}/loop/folder/{m.name}/np{n}-w{w}/r{r}", fw, "loop", "folder",
                                  m.name, n, r, workers=w, folder_key=key)
-                             for w in cfg.sweep_workers if w != default]
+                             for w in cfg.sweep_workers if w != default and (fw == "torch" or w > 0)]
     return jobs
 
 

@@ -41,12 +41,12 @@ def _largest(run: dict, key: str) -> float | None:
     return max(values) if values else None
 
 
-def memory_summary(data: dict) -> dict[int, dict[str, Any]]:
+def memory_summary(data: dict, fw: str) -> dict[int, dict[str, Any]]:
     """Per training-set size: the largest rank's peak RSS in each run and their mean, the same
     for the workers, and the file-name list's size."""
     out = {}
     for n in data["config"]["memory_sizes"]:
-        runs = _ok(data.get("memory", []), folder_key=f"mem-{n}")
+        runs = _ok(data.get("memory", []), folder_key=f"mem-{n}", framework=fw)
         ranks = [max(r["peak_rss_mib"]) for r in runs if r["peak_rss_mib"]]
         workers = [[q["workers_peak_rss_mib"] for q in r["ranks"] if q["workers"]] for r in runs]
         uss = [[q["workers_max_uss_mib"] for q in r["ranks"] if q["workers"]] for r in runs]
@@ -60,11 +60,11 @@ def memory_summary(data: dict) -> dict[int, dict[str, Any]]:
     return out
 
 
-def memory_verdict(data: dict) -> dict[str, Any] | None:
+def memory_verdict(data: dict, fw: str) -> dict[str, Any] | None:
     """The larger folder's rank peak against the smaller's: the growth, and what the claim
     allows (10% of the smaller's + the larger's file-name list)."""
     small, large = data["config"]["memory_sizes"]
-    mem = memory_summary(data)
+    mem = memory_summary(data, fw)
     a, b = mem[small]["rank"], mem[large]["rank"]
     if a is None or b is None:
         return None
@@ -93,10 +93,12 @@ def throughput_rows(data: dict, fw: str, model: str, n: int) -> dict[str, Any]:
                                              and (r["framework"], r["model"], r["np"]) == (fw, model, n)]}
 
 
-def item_cost_s(data: dict, model: str) -> float | None:
-    """CPU seconds per image of a worker's whole item, for the model's folder (8.4)."""
+def item_cost_s(data: dict, model: str, fw: str) -> float | None:
+    """CPU seconds per image of what the framework's pipeline runs for it, for the model's folder
+    (8.4): a PyTorch worker's whole item, or TensorFlow's batch read per image."""
     rec = next((d for d in data.get("decode", []) if d["folder"] == f"model-{model}" and d.get("ok")), None)
-    return rec["item"]["cpu_us"] / 1e6 if rec else None
+    key = "item" if fw == "torch" else "batch"
+    return rec[key]["cpu_us"] / 1e6 if rec and key in rec else None
 
 
 def cores_bound(data: dict, row: dict, n: int, cost: float | None) -> float | None:
@@ -150,41 +152,46 @@ def _load(values: list[float] | None) -> str:
 
 def _memory(data: dict, rx) -> list[str]:
     cfg = data["config"]
-    mem = memory_summary(data)
-    if not any(m["runs"] for m in mem.values()):
-        return []
-    rows = []
-    for n, m in mem.items():
-        rows.append([f"{n:,}", f"{1024 * m['list_mib']:.0f}" if m["list_mib"] is not None else "n/a",
-                     str(len(m["runs"])), " / ".join(f"{v:.0f}" for v in m["rank_peaks"]), num(m["rank"]),
-                     ", ".join(str(c) for c in m["workers_count"]), num(m["workers"]), num(m["workers_uss"]),
-                     f"{num(m['server'])} / {num(m['server_uss'])}"])
     lines = ["### 8.1 Memory: a rank does not hold the folder", "",
              f"The real trainer (`--model cnn`, {cfg['memory_image_size']}x{cfg['memory_image_size']} "
              f"RGB, `--epochs 1 --max-steps {cfg['memory_steps']} --test-samples {cfg['memory_test']}`, "
              f"-np {cfg['memory_np']}) on folders of {' and '.join(f'{n:,}' for n in cfg['memory_sizes'])} "
              f"training images ({cfg['memory_distinct']} distinct pictures each, written in turn), "
              f"{cfg['memory_rounds']} round(s) in alternating order. *Rank peak RSS*: `ru_maxrss` of "
-             "the rank process (the largest rank of each run, then their mean). *Workers*: the "
-             "rank's DataLoader worker processes (training and evaluation loaders), sampled every "
-             "0.5 s from `/proc` (`bench/procs.py`; one that lives less than that can be missed): "
-             "the largest one's peak RSS (`VmHWM`) and USS "
-             "(its private pages: what it adds to the machine; its RSS also counts the library pages "
-             "it shares); the *fork server* they are forked from holds PyTorch once per rank. "
+             "the rank process (the largest rank of each run, then their mean; TensorFlow's decode "
+             "threads are part of it). *Workers* (PyTorch): the rank's DataLoader worker processes "
+             "(training and evaluation loaders), sampled every 0.5 s from `/proc` (`bench/procs.py`; "
+             "one that lives less than that can be missed): the largest one's peak RSS (`VmHWM`) and "
+             "USS (its private pages: what it adds to the machine; its RSS also counts the library "
+             "pages it shares); the *fork server* they are forked from holds PyTorch once per rank. "
              "*File-name list*: the bytes of the paths and labels arrays a rank keeps "
-             "(`ringtrain/data/folder.py`).", "",
-             table(["training images", "file-name list KiB", "runs", "rank peak RSS MiB (each run)",
-                    "mean", "workers seen per rank", "worker peak RSS MiB", "worker USS MiB",
-                    "fork server peak RSS / USS MiB"], rows), ""]
-    verdict = memory_verdict(data)
-    if verdict:
-        withheld = rx(1.0) == WITHHELD
-        status = WITHHELD if withheld else "**holds**" if verdict["holds"] else "**does not hold**"
-        growth = WITHHELD if withheld else f"{100 * verdict['growth']:+.1f}%"
-        lines += [f"{verdict['large']:,} against {verdict['small']:,} images: the rank's peak RSS "
-                  f"{verdict['growth_mib']:+.1f} MiB ({growth}); the claim (within {MEMORY_SLACK:.0%} "
-                  f"+ the file-name list) allows {verdict['allowed_mib']:.1f} MiB: {status}.", ""]
-    return lines
+             "(`ringtrain/data/folder.py`).", ""]
+    found = False
+    for fw in cfg["frameworks"]:
+        mem = memory_summary(data, fw)
+        if not any(m["runs"] for m in mem.values()):
+            continue
+        found = True
+        rows = []
+        for n, m in mem.items():
+            rows.append([f"{n:,}", f"{1024 * m['list_mib']:.0f}" if m["list_mib"] is not None else "n/a",
+                         str(len(m["runs"])), " / ".join(f"{v:.0f}" for v in m["rank_peaks"]), num(m["rank"]),
+                         ", ".join(str(c) for c in m["workers_count"]), num(m["workers"]),
+                         num(m["workers_uss"]), f"{num(m['server'])} / {num(m['server_uss'])}"])
+        lines += [f"**{FW_NAMES[fw]}**", "",
+                  table(["training images", "file-name list KiB", "runs", "rank peak RSS MiB (each run)",
+                         "mean", "workers seen per rank", "worker peak RSS MiB", "worker USS MiB",
+                         "fork server peak RSS / USS MiB"], rows), ""]
+        verdict = memory_verdict(data, fw)
+        if verdict:
+            withheld = rx(1.0) == WITHHELD
+            status = WITHHELD if withheld else "**holds**" if verdict["holds"] else "**does not hold**"
+            growth = WITHHELD if withheld else f"{100 * verdict['growth']:+.1f}%"
+            lines += [f"{verdict['large']:,} against {verdict['small']:,} images: the rank's peak RSS "
+                      f"{verdict['growth_mib']:+.1f} MiB ({growth}); the claim (within "
+                      f"{MEMORY_SLACK:.0%} + the file-name list) allows {verdict['allowed_mib']:.1f} MiB: "
+                      f"{status}.", ""]
+    return lines if found else []
 
 
 def _throughput(data: dict, rx) -> list[str]:
@@ -192,14 +199,18 @@ def _throughput(data: dict, rx) -> list[str]:
     lines = ["### 8.2 Throughput: the trainer on a JPEG folder against one fixed batch", "",
              "Images/s summed over ranks; each side is the mean of its rounds, the sides run back to "
              "back in alternating order (fixed, trainer, folder loop; then the other way round). "
-             "*Fixed batch*: `bench/torch_loop.py --data synthetic` with the model and the folder's "
-             "shape: one batch made once, no input pipeline, Horovod's `DistributedOptimizer`, the "
-             "same threads per rank. *Trainer*: `launch.torch_mnist --data folder:DIR`, its 2nd epoch "
-             "of `--max-steps` steps (the first starts the workers). *Folder loop*: the same loop as "
-             "*fixed batch*, reading the folder through the trainer's own DataLoader "
-             "(`torch_models/data.py`); *cores busy* are rank 0's process and its workers' CPU "
-             "seconds over the timed steps' wall time. *Per round*: trainer / fixed batch of each "
-             f"round. Target: the trainer at >= {TARGET:.0%} of the fixed batch.", ""]
+             "*Fixed batch*: the bench loop (`bench/torch_loop.py`, `bench/tf_loop.py`) with "
+             "`--data synthetic`, the model and the folder's shape: one batch made once, no input "
+             "pipeline, Horovod (`DistributedOptimizer`; TensorFlow: its grouped allreduce), the "
+             "same threads per rank. *Trainer*: `launch.torch_mnist` / `launch.tf_mnist` with "
+             "`--data folder:DIR`, its 2nd epoch of `--max-steps` steps (the first starts the "
+             "pipeline and, in TensorFlow, traces). *Folder loop*: the same loop as *fixed batch*, "
+             "reading the folder through the trainer's own input pipeline (PyTorch: the DataLoader "
+             "of `torch_models/data.py`; TensorFlow: the `tf.data` pipeline of `tf_models/data.py`); "
+             "*cores busy* are rank 0's process CPU seconds (TensorFlow's decode threads included) "
+             "and its worker processes' (PyTorch) over the timed steps' wall time. *Per round*: "
+             f"trainer / fixed batch of each round. Target: the trainer at >= {TARGET:.0%} of the "
+             "fixed batch.", ""]
     for fw in cfg["frameworks"]:
         for m in cfg["models"]:
             rows, verdicts = [], []
@@ -258,25 +269,30 @@ def _sweep(data: dict, rx) -> list[str]:
                                  num(r.get("rank0_cores_busy"), "{:.2f}"),
                                  num(r.get("rank0_workers_cores_busy"), "{:.2f}")])
             if rows:
-                lines += [f"### 8.3 `--workers`: {FW_NAMES[fw]}, {MODEL_NAMES.get(m['name'], m['spec'])}", "",
-                          "The folder loop of 8.2 (round 1) with each worker count; `0` decodes in the "
-                          "rank's own process, between its steps.", "",
+                lines += [f"**{FW_NAMES[fw]}, {MODEL_NAMES.get(m['name'], m['spec'])}**", "",
                           table(["-np", "--workers", "folder loop img/s", "of fixed batch",
                                  "rank 0 cores busy", "its workers' cores busy"], rows), ""]
-    return lines
+    if not lines:
+        return []
+    return ["### 8.3 `--workers`", "",
+            "The folder loop of 8.2 (round 1) with each worker count. PyTorch: worker processes, `0` "
+            "decodes in the rank's own process between its steps; TensorFlow: `tf.data` threads in "
+            "the rank's process (at least one), so their CPU is in the rank's cores busy.", ""] + lines
 
 
 def _decode(data: dict) -> list[str]:
     rows = []
     for d in data.get("decode", []):
         if not d.get("ok"):
-            rows.append([d["folder"], "failed", "", "", "", "", ""])
+            rows.append([d["folder"], "failed", "", "", "", "", "", ""])
             continue
         h, w, c = d["shape"]
         rh, rw, _ = d["load_resize_to"]
         rows.append([d["folder"].removeprefix("model-"), f"{h}x{w}x{c}", f"{d['mean_file_bytes']:.0f}",
                      f"{d['load']['cpu_us']:.0f}", f"{d['load_resize']['cpu_us']:.0f} (to {rh}x{rw})",
-                     f"{d['item']['cpu_us']:.0f}", f"{1e6 / d['item']['cpu_us']:.0f}"])
+                     f"{d['item']['cpu_us']:.0f}",
+                     f"{d['batch']['cpu_us']:.0f}" if "batch" in d else "n/a",
+                     f"{1e6 / d['item']['cpu_us']:.0f}"])
     if not rows:
         return []
     n = next((d["images"] for d in data["decode"] if d.get("ok")), "?")
@@ -285,10 +301,11 @@ def _decode(data: dict) -> list[str]:
             "one process, one thread (as a DataLoader worker runs), the second of two passes (the "
             "files in the page cache). *decode*: `ringtrain.data.images.load` at the folder's size "
             "(PIL decodes and converts); *decode + resize*: the same to half the size (bilinear); "
-            "*worker's item*: `FolderImages[i]`, everything a worker does per image (decode, "
-            "normalise, channels first, a tensor), before batching.", "",
+            "*worker's item*: `FolderImages[i]`, everything a PyTorch worker does per image "
+            "(decode, normalise, channels first, a tensor), before batching; *batch read*: "
+            "`FolderData.batch` on 64 images, per image (what TensorFlow's `tf.data` map runs).", "",
             table(["folder (model)", "pixels", "mean file bytes", "decode us", "decode + resize us",
-                   "worker's item us", "items/s one core makes"], rows), ""]
+                   "worker's item us", "batch read us", "items/s one core makes"], rows), ""]
 
 
 def _where(data: dict, rx) -> list[str]:
@@ -296,7 +313,7 @@ def _where(data: dict, rx) -> list[str]:
     rows = []
     for fw in cfg["frameworks"]:
         for m in cfg["models"]:
-            cost = item_cost_s(data, m["name"])
+            cost = item_cost_s(data, m["name"], fw)
             for n in cfg["nps"]:
                 r = throughput_rows(data, fw, m["name"], n)
                 bound = cores_bound(data, r, n, cost)
@@ -312,7 +329,8 @@ def _where(data: dict, rx) -> list[str]:
     return ["### 8.5 Where the time goes", "",
             f"Arithmetic on the measurements above, with the machine's {data['cores']} cores as the "
             "limit. Training at the fixed-batch rate F keeps K cores busy (rank 0's cores busy x "
-            "-np, 8.2); every image also costs c CPU seconds in a worker (8.4, *worker's item*). At "
+            "-np, 8.2); every image also costs c CPU seconds to read (8.4: PyTorch's *worker's "
+            "item*, TensorFlow's *batch read*). At "
             "R images/s the two need R x (K / F + c) cores, so **R <= cores / (K / F + c)**: the "
             "*cores bound*. *Decoding at the trainer's rate* = trainer img/s x c, in cores. Where "
             "the bound is below the target, no worker count can reach it on these cores; where the "
