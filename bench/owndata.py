@@ -81,7 +81,7 @@ class DataConfig:
 def full(frameworks: list[str] | None = None) -> DataConfig:
     return DataConfig("full", frameworks=frameworks or ["torch"], models=[
         Model("cnn", "cnn", 32, 8000, 500, 10, 50, 50, sweep=True),
-        Model("resnet18", RESNET, 64, 3000, 300, 3, 15, 15, frameworks=("torch",))])
+        Model("resnet18", RESNET, 64, 3000, 300, 2, 10, 10, frameworks=("torch",))])
 
 
 def quick(frameworks: list[str] | None = None) -> DataConfig:

@@ -15,13 +15,13 @@ from conftest import REPO, requires_horovod, run
 
 
 @requires_horovod
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("framework", ["torch", "tf"])
 def test_data_part_runs_end_to_end_at_the_smallest_size(tmp_path, framework):
     kept = {p: p.stat().st_mtime_ns for p in (REPO / "bench/results/data.json", REPO / "BENCHMARKS.md")
             if p.exists()}
     proc = run([sys.executable, "-m", "bench.owndata", "--scale", "smoke", "--frameworks", framework,
-                "--out", str(tmp_path)], timeout=280)
+                "--out", str(tmp_path)], timeout=560)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "data.json").read_text())
 
