@@ -35,7 +35,7 @@ class Split:
     labels: np.ndarray  # int64 [N], in range(num_classes)
 
     def path(self, i: int) -> str:
-        return os.path.join(self.root, self.paths[i].decode())
+        return os.path.join(self.root, os.fsdecode(self.paths[i]))
 
     def subset(self, n: int | None) -> Split:
         """``n`` images drawn once (a fixed seed, so every rank and run draws the same), in
@@ -113,7 +113,10 @@ def _split(split_dir: Path, classes: list[str]) -> Split:
         if not files:
             raise UserError(f"class folder {split_dir / name} has no images; add some or remove "
                             f"the folder")
-        paths += [f"{name}/{file}" for file in files]
+        # The names as the file system's bytes (os.fsencode): any name, UTF-8 or not (numpy's
+        # own str -> bytes conversion takes ASCII only, and a file named café.jpg ended the run
+        # in a traceback).
+        paths += [os.fsencode(f"{name}/{file}") for file in files]
         labels += [label] * len(files)
     return Split(str(split_dir), np.array(paths, dtype=np.bytes_), np.array(labels, dtype=np.int64))
 
