@@ -6,7 +6,9 @@ DDP / MultiWorkerMirroredStrategy: one part, because they share runs), ``collect
 ``accuracy`` (time to 99%): the default; ``cluster`` (an emulated cluster of network-namespace
 hosts with shaped links: collectives, bandwidth-bound training, cost model and projection; root
 only) and ``floor`` (Horovod's small-message floor on one host): ``--only cluster,floor``, what
-``make bench-cluster`` runs.  Each part's JSON is written to ``<out>/<part>.json`` as soon as it
+``make bench-cluster`` runs; ``data`` (image folders read while training: memory against the
+folder's size, throughput against one fixed batch; PyTorch): ``--only data``.
+Each part's JSON is written to ``<out>/<part>.json`` as soon as it
 finishes; ``results.json`` merges the latest of each, so ``--only`` reruns one part and keeps the
 others.  ``--profile RUN`` runs only that run (names as printed, e.g.
 ``torch/trainer/horovod/mnist/np2``) under py-spy, optionally with Horovod's timeline.
@@ -27,6 +29,7 @@ from bench import (
     config,
     floor,
     machine,
+    owndata,
     profiling,
     report,
     smoke,
@@ -135,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "floor":
             data = floor.run_part(smoke.floor_config() if args.smoke else floor.quick() if args.quick
                                   else floor.full(), out)
+        elif part == "data":
+            supported = [f for f in frameworks if f in owndata.FRAMEWORKS]
+            if not supported:
+                util.say(f"data: measures {', '.join(owndata.FRAMEWORKS)} only; skipped")
+                continue
+            scale = owndata.smoke if args.smoke else owndata.quick if args.quick else owndata.full
+            data = owndata.run_part(scale(supported), out)
         else:
             data = accuracy.run_part(cfg, out, frameworks)
         data["quick"] = cfg.quick or args.smoke

@@ -110,6 +110,12 @@ def _cores_busy(run: Run, work: Path) -> float | None:
     return round(value, 2) if value is not None else None
 
 
+def rank_records(work: Path) -> list[dict[str, Any]]:
+    """What :mod:`bench.rankexec` wrote for each rank of the run in ``work``, by rank."""
+    return sorted((util.read_json(p) for p in (work / "rss").glob("*.json")),
+                  key=lambda r: (r["rank"] is None, r["rank"] or 0))
+
+
 def execute(run: Run, cfg, out: Path, prof: Profiling | None = None) -> dict[str, Any]:
     """Run it; return the record that goes into the results JSON (``ok`` false with the output's
     tail when it failed, so one broken side does not sink the suite)."""
@@ -133,8 +139,7 @@ def execute(run: Run, cfg, out: Path, prof: Profiling | None = None) -> dict[str
     else:
         res = util.run_parallel(cmds, envs, timeout=cfg.timeout_s, log=work / "output.log")
     ips = _images_per_second(run, work) if res.ok else None
-    rss = sorted((util.read_json(p) for p in (work / "rss").glob("*.json")),
-                 key=lambda r: (r["rank"] is None, r["rank"] or 0))
+    rss = rank_records(work)
     record = {"name": run.name, "label": run.label or None, "framework": run.framework, "kind": run.kind,
               "wrapper": run.wrapper, "data": run.data, "np": run.np, "threads": run.threads or None,
               "ok": res.ok and ips is not None, "images_per_second": ips,

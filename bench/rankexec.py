@@ -3,7 +3,9 @@ exit write that rank's peak resident memory (``ru_maxrss``) to ``$BENCH_RSS_DIR/
 
 Why a wrapper: the trainers, DDP and MultiWorkerMirrored jobs have no common way to report memory,
 and gathering it through each side's own collectives would make the sides differ.  The wrapper is
-identical for every side.  With ``$BENCH_PYSPY_OUT`` set, rank 0 re-executes itself under
+identical for every side.  With ``$BENCH_CHILDREN=1`` it also samples the rank's descendants
+(:mod:`bench.procs`: the DataLoader workers' peak memory and CPU seconds, which ``ru_maxrss``
+does not see) and adds them to that file.  With ``$BENCH_PYSPY_OUT`` set, rank 0 re-executes itself under
 ``py-spy record`` (raw collapsed stacks) so a profile of exactly the measured run comes out.
 """
 
@@ -18,18 +20,22 @@ import shutil
 import sys
 from pathlib import Path
 
+from bench.procs import Watcher
 from bench.util import launcher_rank
 
 
-def _write_rss() -> None:
+def _write_rss(watcher: Watcher | None = None) -> None:
     folder = os.environ.get("BENCH_RSS_DIR")
     if not folder:
         return
     rank = launcher_rank()
     name = f"rank{rank}" if rank is not None else f"pid{os.getpid()}"
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    record = {"rank": rank, "peak_rss_mib": peak_kib / 1024}
+    if watcher is not None:
+        record["descendants"] = watcher.stop()
     Path(folder).mkdir(parents=True, exist_ok=True)
-    Path(folder, f"{name}.json").write_text(json.dumps({"rank": rank, "peak_rss_mib": peak_kib / 1024}))
+    Path(folder, f"{name}.json").write_text(json.dumps(record))
 
 
 def _maybe_profile(argv: list[str]) -> None:
@@ -56,7 +62,11 @@ def main() -> None:
     if not argv:
         sys.exit("usage: python -m bench.rankexec MODULE [ARGS...]")
     _maybe_profile(argv)
-    atexit.register(_write_rss)
+    watcher = None
+    if os.environ.get("BENCH_CHILDREN") == "1":
+        watcher = Watcher()
+        watcher.start()
+    atexit.register(_write_rss, watcher)
     sys.argv = [argv[0], *argv[1:]]
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 

@@ -16,27 +16,44 @@ with ``ValueError: Attempt to convert a value (PerReplica:{...}) with an unsuppo
 (keras-team/keras#20585, open).  A custom loop is what TensorFlow's MWMS guide documents as the
 alternative, and using it on all three sides keeps them identical.  MWMS jobs are started by
 :mod:`bench.throughput` with one ``TF_CONFIG`` per process.
+
+``--data folder:DIR`` (``none`` and ``horovod``) reads the batches through the trainers' own
+``tf.data`` pipeline (:func:`tf_models.data.open_data`: parallel decode on ``--workers`` threads,
+prefetch), whose CPU time is part of the rank's process.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from bench.loopcommon import StepClock, mnist_shard, parser, synthetic_batch, write_result  # noqa: E402
+from bench.loopcommon import (  # noqa: E402
+    StepClock,
+    folder_batches,
+    mnist_shard,
+    parser,
+    synthetic_batch,
+    trainer_args,
+    write_result,
+)
 from ringtrain.runtime import configure_mpi_progress, threads_per_rank  # noqa: E402
-from tf_models.model import build_cnn  # noqa: E402
+from tf_models.model import build  # noqa: E402
 
 
-def dataset(args, rank: int, size: int, global_batch: int) -> tf.data.Dataset:
+def dataset(args, rank: int, size: int, global_batch: int, folder=None) -> tf.data.Dataset:
     if args.data == "synthetic":
-        x, y = synthetic_batch(global_batch, rank)
-        return tf.data.Dataset.from_tensors((x[..., None], y)).repeat()
+        x, y = synthetic_batch(global_batch, rank, args.input_shape, args.classes)
+        return tf.data.Dataset.from_tensors((x, y)).repeat()  # [B, H, W, C]
+    if folder is not None:
+        batches = folder_batches(folder.info.train_size, rank, size, args.batch_size,
+                                 args.warmup_steps + args.steps)
+        return folder.fit_dataset(batches)
     images, labels, idx = mnist_shard(rank, size)
     ds = tf.data.Dataset.from_tensor_slices((images[idx][..., None], labels[idx]))
     return ds.repeat().batch(global_batch, drop_remainder=True).prefetch(2)
@@ -59,6 +76,14 @@ def main() -> None:
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(2)
 
+    folder, shape, classes = None, args.input_shape, args.classes
+    if args.data.startswith("folder:"):
+        if args.wrapper == "mwms":
+            raise SystemExit("--data folder:DIR: with --wrapper none or horovod only")
+        from tf_models.data import open_data
+
+        folder = open_data(trainer_args(args), None, local_size)
+        shape, classes = folder.info.input_shape, folder.info.num_classes
     keras.utils.set_random_seed(rank)
     if args.wrapper == "mwms":
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -70,10 +95,10 @@ def main() -> None:
         ds = strategy.experimental_distribute_dataset(ds.with_options(options))
         scope = strategy.scope()
     else:
-        ds = dataset(args, rank, size, args.batch_size)
+        ds = dataset(args, rank, size, args.batch_size, folder)
         scope = tf.name_scope("bench")
     with scope:
-        net = build_cnn()
+        net = build(args.model, SimpleNamespace(input_shape=shape, num_classes=classes), 0.5)
         optimizer = keras.optimizers.SGD(args.base_lr * size, momentum=0.9)
         optimizer.build(net.trainable_variables)
     if hvd is not None:
@@ -118,7 +143,9 @@ def main() -> None:
         write_result(args.out, framework="tf", wrapper=args.wrapper, data=args.data, size=size,
                      batch=args.batch_size, steps=args.steps, seconds=seconds, threads=threads,
                      extra={"tensorflow": tf.__version__, "keras": keras.__version__,
-                            "rank0_cores_busy": clock.cpu_seconds / clock.seconds})
+                            "model": args.model, "input_shape": list(shape), "classes": classes,
+                            "rank0_cores_busy": clock.cpu_seconds / clock.seconds,
+                            **({"workers": folder.workers} if folder is not None else {})})
 
 
 if __name__ == "__main__":

@@ -3,19 +3,32 @@
 ``none``: plain ``python``.  ``horovod``: under ``horovodrun``, ``hvd.DistributedOptimizer`` plus
 the initial broadcast, as in :mod:`torch_models.train`.  ``ddp``: under ``torchrun``,
 ``DistributedDataParallel`` over gloo.  No per-step ``.item()``, no LR schedule, no metrics: just
-forward, backward, gradient exchange, step.
+forward, backward, gradient exchange, step.  ``--data folder:DIR`` reads the batches through the
+trainers' own input pipeline (:func:`torch_models.data.open_data`: the DataLoader, its shard
+sampler and its workers) and also reports the workers' cores busy.
 """
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.loopcommon import StepClock, mnist_shard, parser, slowest_torch, synthetic_batch, write_result
+from bench.loopcommon import (
+    StepClock,
+    folder_batches,
+    mnist_shard,
+    parser,
+    slowest_torch,
+    synthetic_batch,
+    trainer_args,
+    write_result,
+)
 from ringtrain.runtime import configure_mpi_progress, threads_per_rank
-from torch_models.model import MnistCNN
+from torch_models.model import build
 
 
 def main() -> None:
@@ -36,8 +49,20 @@ def main() -> None:
     threads = args.threads or threads_per_rank(local_size)
     torch.set_num_threads(threads)
 
+    folder = args.data.startswith("folder:")
+    if folder:
+        from torch_models.data import open_data, workers
+
+        trainer = trainer_args(args)
+        data = open_data(trainer, None, torch.device("cpu"), local_size)
+        shape, classes = data.info.input_shape, data.info.num_classes
+        index_batches = folder_batches(data.info.train_size, rank, size, args.batch_size,
+                                       args.warmup_steps + args.steps)
+        stream = data.epoch(index_batches)
+    else:
+        shape, classes = args.input_shape, args.classes
     torch.manual_seed(rank)
-    model = MnistCNN()
+    model = build(args.model, SimpleNamespace(input_shape=shape, num_classes=classes), 0.5)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.base_lr * size, momentum=0.9)
     if hvd is not None:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
@@ -47,18 +72,20 @@ def main() -> None:
         model = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights
 
     if args.data == "synthetic":
-        x, y = synthetic_batch(args.batch_size, rank)
-        fixed = (torch.from_numpy(x).unsqueeze(1), torch.from_numpy(y))
-    else:
+        x, y = synthetic_batch(args.batch_size, rank, shape, classes)
+        fixed = (torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))), torch.from_numpy(y))
+    elif args.data == "mnist":
         images, labels, idx = mnist_shard(rank, size)
         all_x, all_y = torch.from_numpy(images).unsqueeze(1), torch.from_numpy(labels)
         idx = torch.from_numpy(idx)
 
-    clock = StepClock(args.warmup_steps)
+    clock = StepClock(args.warmup_steps, workers=folder)
     model.train()
     for step in range(args.warmup_steps + args.steps):
         if args.data == "synthetic":
             bx, by = fixed
+        elif folder:
+            bx, by = next(stream)
         else:
             start = (step * args.batch_size) % (len(idx) - args.batch_size)
             b = idx[start:start + args.batch_size]
@@ -71,10 +98,15 @@ def main() -> None:
     # every rank's clock, the slowest one counts (they finish together up to one step anyway)
     seconds = slowest_torch(clock.seconds, hvd, dist)
     if rank == 0:
+        extra = {"torch": torch.__version__, "model": args.model,
+                 "input_shape": list(shape), "classes": classes,
+                 "rank0_cores_busy": clock.cpu_seconds / clock.seconds}
+        if folder:
+            extra.update(workers=workers(trainer, local_size),
+                         rank0_workers_cores_busy=clock.workers_cpu_seconds / clock.seconds)
         write_result(args.out, framework="torch", wrapper=args.wrapper, data=args.data, size=size,
                      batch=args.batch_size, steps=args.steps, seconds=seconds,
-                     threads=threads, extra={"torch": torch.__version__,
-                            "rank0_cores_busy": clock.cpu_seconds / clock.seconds})
+                     threads=threads, extra=extra)
     if dist is not None:
         dist.destroy_process_group()
 

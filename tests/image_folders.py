@@ -4,11 +4,15 @@
   as ``--data mnist``, read the way a user's folder is.
 * :func:`shapes_folder`: real pictures, not noise: a filled circle, square or triangle (one class
   per shape) of random size, position and colour on a random background, as JPEG or PNG, RGB or
-  grayscale: learnable to high accuracy in an epoch or two, at any size.
+  grayscale: learnable to high accuracy in an epoch or two, at any size.  ``distinct=K`` draws
+  K pictures and writes them in turn, for folders of hundreds of thousands of files (the
+  ``data`` benchmark's 200,000: the files are what is measured, and encoding each one anew
+  would take most of the time).
 """
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -50,19 +54,31 @@ def shape_image(rng: np.random.Generator, shape: str, size: int, mode: str) -> I
 
 def shapes_folder(root: Path, n_train: int, n_test: int, size: int = 32, mode: str = "RGB",
                   fmt: str = "jpg", seed: int = 0, classes: tuple[str, ...] = SHAPES,
-                  sizes: tuple[int, ...] | None = None) -> Path:
+                  sizes: tuple[int, ...] | None = None, distinct: int | None = None) -> Path:
     """``n_train`` / ``n_test`` images per split, classes in turn.  ``sizes`` mixes image sizes
-    (the trainer resizes them to the first one's, or to --image-size)."""
+    (the trainer resizes them to the first one's, or to --image-size).  ``distinct``: draw only
+    that many pictures per split (rounded up to a multiple of the class count) and write them in
+    turn, each file still in its own class's folder."""
     rng = np.random.default_rng(seed)
+    if distinct is not None:
+        distinct = -(-distinct // len(classes)) * len(classes)
     for split, n in (("train", n_train), ("test", n_test)):
         for name in classes:
             (root / split / name).mkdir(parents=True, exist_ok=True)
+        pool: list[bytes] = []
         for i in range(n):
             name = classes[i % len(classes)]
+            path = root / split / name / f"{i:06d}.{fmt}"
+            if distinct is not None and i >= distinct:
+                path.write_bytes(pool[i % distinct])
+                continue
             side = sizes[i % len(sizes)] if sizes else size
             im = shape_image(rng, SHAPES[classes.index(name) % len(SHAPES)], side, mode)
-            path = root / split / name / f"{i:06d}.{fmt}"
-            im.save(path, quality=90) if fmt == "jpg" else im.save(path)
+            buf = io.BytesIO()
+            im.save(buf, format="JPEG", quality=90) if fmt == "jpg" else im.save(buf, format=fmt.upper())
+            path.write_bytes(buf.getvalue())
+            if distinct is not None:
+                pool.append(buf.getvalue())
     return root
 
 

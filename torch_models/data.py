@@ -143,6 +143,19 @@ class ShardBatches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
+def worker_context() -> multiprocessing.context.BaseContext:
+    """Where DataLoader workers come from: a fork server that has imported PyTorch and this
+    module, so every worker is a fork sharing their pages.  Without the preload each worker
+    imported PyTorch itself: about 1.2 s of CPU and 283 MiB of private memory (USS) per worker, 4
+    workers per rank at -np 1 on 2 cores (--workers for training and as many for evaluation);
+    forked from a server that holds it, 0.02 s and 12 MiB each, and the server's 283 MiB once
+    per rank (bench/owndata.py, measured with bench/procs.py).
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__", "torch", __name__])
+    return context
+
+
 def workers(args: argparse.Namespace, local_size: int) -> int:
     return args.workers if args.workers is not None else threads_per_rank(local_size)
 
@@ -159,7 +172,7 @@ class Streamed(TorchData):
             # a process with MPI and Horovod's threads running, which some interconnects do not
             # survive.  Persistent: started once, not every epoch.
             options.update(persistent_workers=True, prefetch_factor=2,
-                           multiprocessing_context=multiprocessing.get_context("forkserver"))
+                           multiprocessing_context=worker_context())
         self.sampler, self.test_sampler = ShardBatches(), ShardBatches()
         self.loader = torch.utils.data.DataLoader(train, batch_sampler=self.sampler, **options)
         self.test_loader = torch.utils.data.DataLoader(test, batch_sampler=self.test_sampler, **options)
