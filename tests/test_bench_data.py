@@ -32,11 +32,16 @@ def test_data_part_runs_end_to_end_at_the_smallest_size(tmp_path, framework):
                                                                    ("loop", "folder")}
     assert all(r["images_per_second"] > 0 and r["peak_rss_mib"] and min(r["peak_rss_mib"]) > 0 for r in runs)
     assert {r["framework"] for r in runs} == {framework}
-    # the folders of both memory sizes were read by the trainer; PyTorch's DataLoader workers seen
+    # the folders of both memory sizes were read by the trainer, through PyTorch's DataLoader
+    # workers (started from a fork server).  The workers themselves are sampled every 0.5 s
+    # (bench/procs.py), which a smoke run's workers can outlive or not, depending on the machine:
+    # what was seen must be whole, but seeing them is the full run's business.
     assert sorted(r["folder_key"] for r in data["memory"]) == ["mem-24", "mem-48"]
     if framework == "torch":
         for r in data["memory"] + [r for r in data["throughput"] if r["data"] == "folder"]:
-            assert all(q["workers"] >= 1 and q["workers_peak_rss_mib"] > 0 for q in r["ranks"]), r
+            assert r["workers_used"] >= 1, r
+            assert all(q["forkserver_peak_rss_mib"] > 0 for q in r["ranks"]), r
+            assert all(q["workers"] == 0 or q["workers_peak_rss_mib"] > 0 for q in r["ranks"]), r
     loop = next(r for r in data["throughput"] if (r["kind"], r["data"]) == ("loop", "folder"))
     assert loop["workers_used"] >= 1 and loop["rank0_cores_busy"] > 0
     if framework == "torch":
