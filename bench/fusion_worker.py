@@ -21,7 +21,7 @@ from bench import loopcounters
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--layers", type=int, default=10)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=64)

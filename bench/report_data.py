@@ -7,11 +7,13 @@ run, comparisons read ``-``, as in the rest of the report.
 
 from __future__ import annotations
 
+from pathlib import Path
 from statistics import mean
 from typing import Any
 
 from bench.tables import FW_NAMES, num, pct, table
 
+ANALYSIS = Path(__file__).with_name("data_analysis.md")  # the hand-written reading of section 8
 TARGET = 0.90  # the trainer on a folder against one fixed batch (issue #21)
 MEMORY_SLACK = 0.10  # the larger folder's rank within 10% (+ its file-name list) of the smaller's
 MODEL_NAMES = {"cnn": "the built-in CNN (`--model cnn`)",
@@ -129,7 +131,7 @@ def section(res: dict) -> list[str]:
                   f"show that the part works, and no comparison is printed (`{WITHHELD}`).", ""]
     fws = ", ".join(FW_NAMES[f] for f in cfg["frameworks"])
     lines += [f"`python -m bench --only data` (`bench/owndata.py`), {data.get('started', '?')}, on "
-              f"{data['cores']} cores shared with other jobs: load average (1, 5, 15 min) "
+              f"{data['cores']} cores: load average (1, 5, 15 min) "
               f"{_load(load0)} at the start and {_load(load1)} at the end; each run's 1-minute load at "
               f"its start is in `bench/results/data.json`. Frameworks measured: {fws}"
               + ("" if "tf" in cfg["frameworks"] else " (TensorFlow's `tf.data` path: not measured yet)")
@@ -143,6 +145,8 @@ def section(res: dict) -> list[str]:
     lines += _sweep(data, rx)
     lines += _decode(data)
     lines += _where(data, rx)
+    if ANALYSIS.exists() and not data.get("quick"):
+        lines += [ANALYSIS.read_text().strip(), ""]
     return lines
 
 

@@ -25,7 +25,7 @@ OPS = ("torch-allreduce", "tf-allreduce", "tf-broadcast-inplace")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--op", choices=OPS, required=True)
     p.add_argument("--late-ms", type=float, default=50.0)
     p.add_argument("--reps", type=int, default=10)
