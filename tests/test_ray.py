@@ -125,7 +125,8 @@ class RayJob:
                 if proc.pid == os.getpid():
                     continue
                 cmd = proc.info["cmdline"] or []
-                guardian = "launch.guardian" in cmd and cmd[cmd.index("launch.guardian") + 1:][:1] in (
+                module = "ringtrain.faults.guardian"  # python -m MODULE RANK_PID
+                guardian = module in cmd and cmd[cmd.index(module) + 1:][:1] in (
                     [str(pid)] for pid in self.rank_pids)
                 if os.getsid(proc.pid) == self.proc.pid or guardian or any(
                         self.tmpdir in part for part in cmd):
