@@ -49,6 +49,7 @@ line that adds what the heartbeats know about the peers.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import secrets
@@ -172,7 +173,11 @@ class Watchdog:
                  f"{limit:g}", local_host()],
                 # its own session: a launcher that kills the rank's process group must not take
                 # the guardian with it before it has seen the launcher end (see guard())
-                stdin=subprocess.PIPE, close_fds=True, start_new_session=True)
+                # Unbuffered: a line that cannot be written fails in write() and nothing stays
+                # behind.  Buffered, a guardian that had already gone (seen under Open MPI 5 and
+                # Python 3.13 as the job ended) left bytes that the pipe's finaliser tried again
+                # at exit: a BrokenPipeError traceback on every rank after its one error line.
+                stdin=subprocess.PIPE, bufsize=0, close_fds=True, start_new_session=True)
         except OSError:  # no guardian: the ranks' own clocks still end the job
             self.guard = None
 
@@ -239,12 +244,15 @@ class Watchdog:
                         pass
 
     def feed_guardian(self, what: str | None = None) -> None:
-        if self.guard is not None and self.guard.stdin is not None:
-            try:
-                self.guard.stdin.write(f"{what or self.rank}\n".encode())
-                self.guard.stdin.flush()
-            except (OSError, ValueError):
-                self.guard = None
+        guard = self.guard  # the watchdog thread and the rank's exit path both feed it
+        if guard is None or guard.stdin is None:
+            return
+        try:
+            guard.stdin.write(f"{what or self.rank}\n".encode())
+        except (OSError, ValueError):  # the guardian is gone (or its pipe already closed)
+            self.guard = None
+            with contextlib.suppress(OSError, ValueError):
+                guard.stdin.close()
 
     def silent(self, rank: int, now: float) -> float | None:
         """Seconds since ``rank``'s last heartbeat, if long enough to call it silent."""
