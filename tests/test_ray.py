@@ -51,6 +51,19 @@ def job_env(extra: dict | None = None) -> dict[str, str]:
     return env
 
 
+WARNING_AT = re.compile(r"(\S+\.py):\d+: \w*Warning: ")
+
+
+def warning_lines(out: str) -> list[str]:
+    """Lines that say ``...Warning``, but for warnings raised in another library's own code (on
+    Python 3.13 TensorFlow's gast prints dozens of DeprecationWarnings from its site-packages
+    files in every worker once they are shown): Horovod's and this checkout's count."""
+    def elsewhere(line: str) -> bool:
+        m = WARNING_AT.search(line)
+        return bool(m) and "/site-packages/" in m[1] and "/site-packages/horovod/" not in m[1]
+    return [ln for ln in out.splitlines() if "Warning" in ln and not elsewhere(ln)]
+
+
 def error_lines(out: str) -> list[str]:
     return [ln for ln in out.splitlines() if "error: " in ln]
 
@@ -274,7 +287,7 @@ def test_local_ray_trains_with_identical_ranks(fw, tmp_path):
     # rank 0's lines, once each; no worker's warnings (Horovod's Ray layer used deprecated Ray APIs)
     assert text.count("final test accuracy") == 1 and text.count("epoch 1/1:") == 1, text
     assert "2 worker(s) on 1 node(s)" in text
-    assert "Warning" not in text and not error_lines(text), text
+    assert not warning_lines(text) and not error_lines(text), text
     # rank 0 alone wrote the checkpoint and the TensorBoard events, as under horovodrun
     assert len(list((tmp_path / "ckpt").glob("ckpt-epoch0001.*"))) == 1
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
