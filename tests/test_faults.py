@@ -754,9 +754,10 @@ print("fed", flush=True)
 def test_a_guardian_that_is_gone_leaves_no_traceback_at_exit():
     """Feeding a guardian that has already left (it read "bye", or the launcher killed it first)
     drops it quietly: no "Exception ignored ... BrokenPipeError" from the pipe at the rank's
-    exit (seen on Debian 13 after the one error line of every failing job, with a buffered
+    exit (seen on Debian 13 after the one error line of failing jobs, with a buffered
     pipe).  ``-X dev`` reports every error a file's finaliser meets; a plain interpreter reports
-    them only at times (1 run in 7 here, most under Open MPI 5), dev mode 5 in 5 on the old code."""
+    them only at times (1 run in 28 here; in 4 jobs of one Debian 13 run, every rank), dev
+    mode 5 in 5 on the old code."""
     proc = subprocess.run([sys.executable, "-X", "dev", "-c", GUARDIAN_GONE], capture_output=True, text=True,
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "fed", proc.stderr
