@@ -149,9 +149,14 @@ class Hosts:
 
     def kill_strays(self) -> None:
         """Kill every process in the hosts' namespaces except the sshd daemons."""
-        keep = {h.sshd.pid for h in self.hosts if h.sshd is not None and h.sshd.poll() is None}
         for host in self.hosts:
-            _kill_netns_processes(host.netns, keep)
+            self.kill_host(host)
+
+    def kill_host(self, host: Host) -> None:
+        """SIGKILL every process in ``host``'s namespace but its sshd, all at once (what losing
+        the machine does to them); returns when none is left."""
+        keep = {host.sshd.pid} if host.sshd is not None and host.sshd.poll() is None else set()
+        _kill_netns_processes(host.netns, keep)
 
     # -- links ---------------------------------------------------------------------------------
 

@@ -114,9 +114,8 @@ class RayCluster:
         later still: a short job could end before it lost anything, and a test right after it
         found the dead node still listed as alive.)"""
         assert len(self.raylet_pids(self.worker)) == 1, "host B runs no raylet"
-        keep = {self.worker.sshd.pid} if self.worker.sshd is not None else set()
         when = time.monotonic()
-        netns_hosts._kill_netns_processes(self.worker.netns, keep)
+        self.hosts.kill_host(self.worker)
         return when
 
     def both_nodes(self) -> None:
@@ -153,16 +152,15 @@ def cluster(hosts):
         made.stop()
 
 
-def job_processes(cluster: RayCluster, hosts=None) -> list[tuple[int, str]]:
-    """The job's Ray workers still running on ``hosts`` (default: both), by their process title:
-    (pid, a description)."""
+def job_processes(cluster: RayCluster) -> list[str]:
+    """The job's Ray workers still running on either host (by their process title)."""
     found = []
-    for host in hosts or cluster.hosts.hosts:
+    for host in cluster.hosts.hosts:
         for pid in netns_hosts._netns_pids(host.netns):
             with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as fh:
                 title = fh.read().replace(b"\0", b" ").decode(errors="replace")
                 if "BaseHorovodWorker" in title:
-                    found.append((pid, f"{pid} on {host.name}: {title[:80]}"))
+                    found.append(f"{pid} on {host.name}: {title[:80]}")
     return found
 
 
@@ -170,7 +168,7 @@ def assert_no_job_left(cluster: RayCluster, within: float = 20) -> None:
     deadline = time.monotonic() + within
     while job_processes(cluster) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not job_processes(cluster), [text for _, text in job_processes(cluster)]
+    assert not job_processes(cluster), job_processes(cluster)
 
 
 QUICK = [*SMALL, "--epochs", "1"]
