@@ -1,14 +1,15 @@
 """Horovod's background-loop counters (ringtrain's patch: ``horovod_loop_counters`` in
-``horovod/common/operations.cc``): rounds of the loop, rounds that performed an operation, and
-the allreduce operations with the tensors and bytes each carried (one operation is one MPI/Gloo
-call on the fused buffer).  Read through the framework library Horovod already loaded."""
+``horovod/common/operations.cc``): rounds of the loop, rounds that performed an operation, the
+allreduce operations with the tensors and bytes each carried (one operation is one MPI/Gloo call
+on the fused buffer), other operations, and the rounds that a thread waiting for its own
+collective ran itself.  Read through the framework library Horovod already loaded."""
 
 from __future__ import annotations
 
 import ctypes
 
 NAMES = ("rounds", "rounds_with_work", "allreduce_calls", "allreduce_tensors", "allreduce_bytes",
-         "other_calls")
+         "other_calls", "caller_rounds")
 
 
 def read(basics) -> dict[str, int]:

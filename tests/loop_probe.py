@@ -1,0 +1,122 @@
+"""One rank of the background-loop checks (tests/test_horovod_loop.py), under horovodrun -np 2.
+
+``python tests/loop_probe.py MODE OUT``; rank 0 writes OUT (JSON: every rank's results).
+
+- ``threads``: three Python threads per rank issue collectives at once: synchronous
+  ``allreduce_`` calls (whose thread runs the loop's rounds itself), batches of
+  ``allreduce_async_`` waited for later (the background thread's rounds, as gradient hooks do),
+  and synchronous ``broadcast_`` calls (enqueued with a wake-up, then driven by their thread).
+  Every result is checked against its closed form.
+- ``orders``: the ranks enqueue two synchronous allreduces from two threads in opposite orders, so
+  the first rounds match nothing and the loop must retry until both are ready everywhere.
+- ``sync``: the main thread alone makes 100 synchronous allreduces; the loop counters say how
+  many rounds a waiting caller ran (``caller_rounds``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import traceback
+
+import horovod.torch as hvd
+import torch
+from horovod.torch.mpi_ops import _basics
+
+from bench import loopcounters
+
+
+def in_threads(*targets) -> list[str]:
+    """Run each target in its own thread; the errors they raised, as text."""
+    errors: list[str] = []
+
+    def guarded(fn):
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - reported to the test, which fails on it
+            errors.append(traceback.format_exc())
+
+    threads = [threading.Thread(target=guarded, args=(fn,)) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def threads_mode(rank: int, size: int) -> dict:
+    wrong: list[str] = []
+    ranks_sum = size * (size - 1) / 2
+
+    def sync_allreduces():
+        for i in range(150):
+            t = torch.full((1000,), float(rank + i))
+            hvd.allreduce_(t, op=hvd.Sum, name=f"sync.{i}")
+            if not torch.all(t == size * i + ranks_sum):
+                wrong.append(f"sync.{i}: {t[0].item()}")
+
+    def async_batches():
+        for i in range(30):
+            ts = [torch.full((300 + j,), float(10 * rank + j)) for j in range(5)]
+            handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"async.{i}.{j}")
+                       for j, t in enumerate(ts)]
+            for j, (t, h) in enumerate(zip(ts, handles, strict=True)):
+                hvd.synchronize(h)
+                if not torch.all(t == 10 * ranks_sum + size * j):
+                    wrong.append(f"async.{i}.{j}: {t[0].item()}")
+
+    def sync_broadcasts():
+        for i in range(60):
+            t = torch.full((500,), float(rank))
+            root = i % size
+            hvd.broadcast_(t, root_rank=root, name=f"bcast.{i}")
+            if not torch.all(t == root):
+                wrong.append(f"bcast.{i}: {t[0].item()}")
+
+    errors = in_threads(sync_allreduces, async_batches, sync_broadcasts)
+    return {"errors": errors, "wrong": wrong}
+
+
+def orders_mode(rank: int, size: int) -> dict:
+    got: dict[str, float] = {}
+
+    def reduce(name: str, delay: float):
+        time.sleep(delay)
+        t = torch.full((64,), float(rank + 1))
+        hvd.allreduce_(t, op=hvd.Sum, name=name)
+        got[name] = t[0].item()
+
+    first, second = ("x", "y") if rank == 0 else ("y", "x")
+    errors = in_threads(lambda: reduce(first, 0.0), lambda: reduce(second, 0.3))
+    return {"errors": errors, "got": got, "expected": size * (size + 1) / 2}
+
+
+def sync_mode(rank: int, size: int) -> dict:
+    t = torch.zeros(1024)
+    hvd.allreduce_(t, op=hvd.Sum, name="warm")
+    before = loopcounters.read(_basics)
+    wrong = 0
+    for i in range(100):
+        t.fill_(float(i))
+        hvd.allreduce_(t, op=hvd.Sum, name="sync")
+        wrong += int(not torch.all(t == size * i))
+    after = loopcounters.read(_basics)
+    return {"wrong": wrong, **{k: after[k] - before[k] for k in loopcounters.NAMES}}
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    result = {"threads": threads_mode, "orders": orders_mode, "sync": sync_mode}[mode](rank, size)
+    results = hvd.allgather_object(result, name="results")
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump(results, fh)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
