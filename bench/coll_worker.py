@@ -230,7 +230,7 @@ class Backend:
 
 
 def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float,
-            iface: str | None = None) -> dict:
+            iface: str | None = None, warmup_s: float = 0.0) -> dict:
     buf = be.buffer(nbytes)
     t_est = 0.0
     for _ in range(warmup):
@@ -238,6 +238,14 @@ def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float,
         t0 = time.perf_counter()
         be.allreduce(buf)
         t_est = time.perf_counter() - t0
+    # Then enough more for about ``warmup_s`` seconds (rank 0's estimate decides for all): at a
+    # job's start two busy ranks can share one core for a few milliseconds before the scheduler
+    # moves one (seen: 4-64 KiB Horovod allreduces 4x slower in the first ~10 ms of a job at -np 2
+    # on 2 cores), longer than a small size's whole measurement.
+    if warmup_s > 0:
+        for _ in range(be.bcast(int(min(100_000, warmup_s // max(t_est, 1e-6))))):
+            be.refill(buf)
+            be.allreduce(buf)
     # as many repetitions as fit in the budget, between 3 and ``reps``; rank 0 decides for all
     n = be.bcast(int(min(reps, max(3, budget // max(t_est, 1e-6)))))
     be.counter.sent = be.counter.received = 0
@@ -276,13 +284,15 @@ def main() -> None:
     p.add_argument("--impl", choices=("hvd", "hvd-sleep", "mpi4py", "torch", "ps", "hier"), required=True)
     p.add_argument("--sizes", required=True, help="comma-separated byte counts")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup-s", type=float, default=0.0,
+                   help="warm up each size for at least this many seconds too")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--budget", type=float, default=4.0, help="seconds per size, roughly")
     p.add_argument("--out", required=True)
     p.add_argument("--count-iface", default=None, help="count this interface's bytes per size")
     args = p.parse_args()
     be = Backend(args.impl)
-    rows = [measure(be, int(s), args.warmup, args.reps, args.budget, args.count_iface)
+    rows = [measure(be, int(s), args.warmup, args.reps, args.budget, args.count_iface, args.warmup_s)
             for s in args.sizes.split(",")]
     if be.rank == 0:
         import json

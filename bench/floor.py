@@ -52,7 +52,8 @@ class FloorConfig:
     controllers: list[str] = field(default_factory=lambda: list(CONTROLLERS))
     loops: list[str] = field(default_factory=lambda: list(LOOPS))  # fusion, waiting, training
     warmup: int = 3
-    reps: int = 30
+    warmup_s: float = 0.1  # per size: past the start's scheduling transient (coll_worker.measure)
+    reps: int = 200
     budget_s: float = 1.5
     fusion_nps: list[int] = field(default_factory=lambda: [2, 4])
     fusion_layers: int = 10   # 2 tensors each: 20 gradients
@@ -87,7 +88,8 @@ def smoke() -> FloorConfig:
     """The smallest run that goes through every cell kind: -np 2, 4 KiB, one step, the 0.28.1
     loop in the collectives only (tests)."""
     return FloorConfig(quick=True, smoke=True, coll_nps=[2], sizes=[4096], controllers=["mpi"],
-                       loops=["patched"], warmup=1, reps=1, budget_s=0.1, fusion_nps=[2], fusion_warmup=1,
+                       loops=["patched"], warmup=1, warmup_s=0.0, reps=1, budget_s=0.1, fusion_nps=[2],
+                       fusion_warmup=1,
                        fusion_steps=1, wait_ops=["torch-allreduce"], wait_late_ms=1.0, wait_reps=1,
                        train_nps=[2], train_rounds=1, train_warmup=1, train_steps=1,
                        trainer_steps=1, timeout_s=300)
@@ -119,7 +121,8 @@ def collective(cfg: FloorConfig, out: Path, np: int, impl: str, controller: str,
     name = f"coll_{impl}_{controller}_{loop}_np{np}" if impl == "hvd" else f"coll_mpi4py_np{np}"
     result = out / "tmp" / "floor" / name / "result.json"
     inner = [util.PY, "-m", "bench.coll_worker", "--impl", impl, "--sizes", ",".join(map(str, cfg.sizes)),
-             "--warmup", str(cfg.warmup), "--reps", str(cfg.reps), "--budget", str(cfg.budget_s),
+             "--warmup", str(cfg.warmup), "--warmup-s", str(cfg.warmup_s), "--reps", str(cfg.reps),
+             "--budget", str(cfg.budget_s),
              "--out", str(result)]
     if impl == "hvd":
         cmd, env = util.horovodrun(np, inner, gloo=controller == "gloo"), LOOPS[loop]

@@ -59,13 +59,13 @@ def fusion(fl: dict) -> list[str]:
     rows = []
     for rec in fl.get("fusion", []):
         if not rec.get("ok"):
-            rows.append([str(rec["np"]), LOOP_NAMES[rec["loop"]], "failed", "", "", "", "", ""])
+            rows.append([str(rec["np"]), LOOP_NAMES[rec["loop"]], "failed", "", "", "", "", "", ""])
             continue
         r0 = rec["per_rank"][0]
         rows.append([str(rec["np"]), LOOP_NAMES[rec["loop"]], f"{r0['allreduce_calls_per_step']:.2f}",
                      num(r0["tensors_per_call"], "{:.1f}"), num((r0["bytes_per_call"] or 0) / 1024, "{:.0f}"),
                      f"{r0['rounds_per_step']:.1f}", f"{r0['rounds_with_work_per_step']:.1f}",
-                     ms(r0["step_seconds"])])
+                     num(r0.get("caller_rounds_per_step"), "{:.1f}"), ms(r0["step_seconds"])])
     if not rows:
         return []
     recs = [r for r in fl["fusion"] if r.get("ok")]
@@ -77,9 +77,11 @@ def fusion(fl: dict) -> list[str]:
             f"{cfg['fusion_steps']} timed steps; rank 0's counts per step from Horovod's loop counters "
             "(`horovod_loop_counters`, one allreduce call = one MPI/Gloo operation on the fused "
             "buffer). *Rounds* are turns of the background loop, *with work* those that performed an "
-            "operation.", "",
+            "operation, *by the caller* those that the thread waiting in `synchronize` ran itself "
+            "(the patched loop; the others ran on Horovod's background thread).", "",
             table(["-np", "loop", "allreduce calls / step", "tensors / call", "KiB / call",
-                   "rounds / step", "rounds with work / step", "ms / step"], rows), ""]
+                   "rounds / step", "rounds with work / step", "rounds by the caller / step",
+                   "ms / step"], rows), ""]
 
 
 def waits(fl: dict) -> list[str]:
