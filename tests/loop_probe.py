@@ -9,8 +9,9 @@
   Every result is checked against its closed form.
 - ``orders``: the ranks enqueue two synchronous allreduces from two threads in opposite orders, so
   the first rounds match nothing and the loop must retry until both are ready everywhere.
-- ``sync``: the main thread alone makes 100 synchronous allreduces; the loop counters say how
-  many rounds a waiting caller ran (``caller_rounds``).
+- ``sync``: the main thread alone makes 100 synchronous allreduces, then 20 batches of 5
+  asynchronous ones waited for later; the loop counters say how many rounds a waiting caller ran
+  (``caller_rounds``) in each part.
 """
 
 from __future__ import annotations
@@ -103,7 +104,18 @@ def sync_mode(rank: int, size: int) -> dict:
         hvd.allreduce_(t, op=hvd.Sum, name="sync")
         wrong += int(not torch.all(t == size * i))
     after = loopcounters.read(_basics)
-    return {"wrong": wrong, **{k: after[k] - before[k] for k in loopcounters.NAMES}}
+    # Then asynchronous ones, waited for later as a DistributedOptimizer does: the background
+    # thread's rounds, whoever synchronizes.
+    for _ in range(20):
+        ts = [torch.full((256,), float(j)) for j in range(5)]
+        handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"async.{j}") for j, t in enumerate(ts)]
+        for j, (t, h) in enumerate(zip(ts, handles, strict=True)):
+            hvd.synchronize(h)
+            wrong += int(not torch.all(t == size * j))
+    final = loopcounters.read(_basics)
+    return {"wrong": wrong, **{k: after[k] - before[k] for k in loopcounters.NAMES},
+            "async_allreduce_calls": final["allreduce_calls"] - after["allreduce_calls"],
+            "async_caller_rounds": final["caller_rounds"] - after["caller_rounds"]}
 
 
 def main() -> None:

@@ -3,7 +3,8 @@ that waits for its collective runs the loop's rounds itself, the background thre
 others.  Real jobs under horovodrun -np 2 (``tests/loop_probe.py``), MPI and Gloo controllers:
 collectives from several threads at once all finish with the right values, ranks that enqueue in
 different orders still meet, and synchronous calls are run by their caller's thread unless
-``HOROVOD_CALLER_DRIVES=0`` or ``HOROVOD_UPSTREAM_LOOP=1`` (then by the background thread only).
+``HOROVOD_CALLER_DRIVES=0`` or ``HOROVOD_UPSTREAM_LOOP=1`` (then by the background thread only),
+asynchronous ones by the background thread always.
 Timings are not tested here: ``python -m bench --only floor`` measures them (BENCHMARKS.md
 section 7)."""
 
@@ -40,13 +41,15 @@ def test_ranks_that_enqueue_in_opposite_orders_still_meet(tmp_path):
         assert res["got"] == {"x": res["expected"], "y": res["expected"]}
 
 
-def test_a_synchronous_allreduce_runs_on_its_callers_thread(tmp_path):
+def test_a_synchronous_allreduce_runs_on_its_callers_thread_an_asynchronous_one_does_not(tmp_path):
     for res in probe(tmp_path, "sync"):
         assert res["wrong"] == 0
         assert res["allreduce_calls"] == 100
         # Every round of these 100 is the caller's unless the background thread held the loop at
         # that moment (an idle round): most are, and certainly not none.
         assert res["caller_rounds"] > 0
+        # Asynchronous handles stay the background thread's, which fuses them as they come.
+        assert res["async_allreduce_calls"] > 0 and res["async_caller_rounds"] == 0
 
 
 @pytest.mark.parametrize("env", [{"HOROVOD_CALLER_DRIVES": "0"}, {"HOROVOD_UPSTREAM_LOOP": "1"}],
