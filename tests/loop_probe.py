@@ -12,6 +12,10 @@
 - ``sync``: the main thread alone makes 100 synchronous allreduces, then 20 batches of 5
   asynchronous ones waited for later; the loop counters say how many rounds a waiting caller ran
   (``caller_rounds``) in each part.
+- ``names``: for allreduce, allgather, broadcast and reducescatter, an asynchronous collective
+  named "dup" is polled until it is done, then the same name is enqueued again before the first
+  handle is synchronized (refused: the name is still taken), and once more after it (accepted,
+  and its result checked).
 """
 
 from __future__ import annotations
@@ -118,11 +122,40 @@ def sync_mode(rank: int, size: int) -> dict:
             "async_caller_rounds": final["caller_rounds"] - after["caller_rounds"]}
 
 
+def names_mode(rank: int, size: int) -> dict:
+    starts = {
+        "allreduce": lambda t: hvd.allreduce_async_(t, op=hvd.Sum, name="dup"),
+        "allgather": lambda t: hvd.allgather_async(t, name="dup"),
+        "broadcast": lambda t: hvd.broadcast_async_(t, root_rank=0, name="dup"),
+        "reducescatter": lambda t: hvd.reducescatter_async(t, op=hvd.Sum, name="dup"),
+    }
+    expected = {"allreduce": [size] * 4, "allgather": [1.0] * 4 * size, "broadcast": [1.0] * 4,
+                "reducescatter": [size] * (4 // size)}
+    refused: dict[str, str | None] = {}
+    right: dict[str, bool] = {}
+    for op, start in starts.items():
+        first = start(torch.ones(4))
+        while not hvd.poll(first):  # done on this rank: 0.28.1 had freed the name by now
+            time.sleep(0.001)
+        try:
+            second = start(torch.ones(4))
+        except ValueError as e:
+            refused[op] = str(e)
+        else:  # accepted on every rank alike: wait for it, so that the ranks stay in step
+            hvd.synchronize(second)
+            refused[op] = None
+        hvd.synchronize(first)
+        third = start(torch.ones(4))
+        right[op] = hvd.synchronize(third).tolist() == expected[op]
+    return {"refused": refused, "right": right}
+
+
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    result = {"threads": threads_mode, "orders": orders_mode, "sync": sync_mode}[mode](rank, size)
+    result = {"threads": threads_mode, "orders": orders_mode, "sync": sync_mode,
+              "names": names_mode}[mode](rank, size)
     results = hvd.allgather_object(result, name="results")
     if rank == 0:
         with open(out, "w") as fh:
