@@ -85,8 +85,12 @@ class InMemory(TorchData):
         self.device = device
 
     def epoch(self, index_batches):
-        for b in index_batches:
-            idx = torch.from_numpy(b).to(self.device)
+        if not index_batches:
+            return
+        # The epoch's indices go to the device in one copy: a copy per batch from a host array
+        # makes the CPU wait for the GPU every step (PyTorch syncs a pageable host-to-device copy).
+        flat = torch.from_numpy(np.concatenate(index_batches)).to(self.device)
+        for idx in torch.split(flat, [len(b) for b in index_batches]):
             yield self.train_x[idx], self.train_y[idx]
 
     def eval_sums(self, model, rank: int, size: int) -> list[float]:

@@ -30,7 +30,7 @@ from ringtrain.training.fixed import FixedRun
 from torch_models import checkpoints, devices
 from torch_models.collectives import COLLECTIVES, VERSIONS, average_buffers
 from torch_models.data import open_data
-from torch_models.evaluation import parameters, weights_finite
+from torch_models.evaluation import FiniteWatch, parameters
 from torch_models.model import build
 
 
@@ -68,6 +68,12 @@ def train(args: argparse.Namespace) -> Summary:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     scaler = torch.amp.GradScaler("cuda") if args.amp else None
+    # On a GPU, reading the weights' finiteness at once each step would stall the GPU's queue.
+    finite = FiniteWatch(model, lag=device.type == "cuda")
+
+    def stop_if(diverged) -> None:  # (epoch, step, local loss) of a diverged step, or None
+        if diverged:
+            raise divergence.stop(world.gather, *diverged, data.problem)
 
     run = FixedRun(args, world, Progress(args, rank, n_train), framework="torch", versions=VERSIONS,
                    model_name=model_name, data=data.info, param_count=param_count,
@@ -84,19 +90,21 @@ def train(args: argparse.Namespace) -> Summary:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.zero_grad()
-            step_loss, step_images = 0.0, 0
+            step_losses, step_images = [], 0
             for _ in range(k):
                 x, y = next(batches)
                 with torch.autocast("cuda", enabled=scaler is not None):
                     loss = F.cross_entropy(model(x), y)
-                # Sums stay on the device: reading a GPU value every step would stall the GPU.
-                batch_loss = loss.detach().double() * len(y)
-                loss_sum += batch_loss
-                step_loss, step_images = step_loss + batch_loss, step_images + len(y)
+                # Sums stay on the device: reading a GPU value every step would stall the GPU.  One
+                # kernel per batch: on a GPU the small CNN's step is bound by kernel launches.
+                loss_sum.add_(loss.detach(), alpha=len(y))
+                step_losses.append((loss.detach(), len(y)))
+                step_images += len(y)
+                scaled = loss / k if k > 1 else loss
                 if scaler is not None:
-                    scaler.scale(loss / k).backward()
+                    scaler.scale(scaled).backward()
                 else:
-                    (loss / k).backward()
+                    scaled.backward()
             if scaler is not None:
                 # Horovod's AMP recipe: allreduce first, then unscale, then step without a 2nd sync.
                 optimizer.synchronize()
@@ -106,12 +114,13 @@ def train(args: argparse.Namespace) -> Summary:
                 scaler.update()
             else:
                 optimizer.step()
-            if not weights_finite(model):  # identical on every rank: all stop here
-                raise divergence.stop(world.gather, epoch, step + 1,
-                                      lambda s=step_loss, n=step_images: (s / n).item(), data.problem)
+            # This rank's mean loss of the step, read (a wait for the GPU) only when shown.
+            step_loss = lambda parts=step_losses, n=step_images: sum(float(v) * m for v, m in parts) / n  # noqa: E731
+            # Identical on every rank: all stop at the same step (on a GPU, one step later).
+            stop_if(finite.step((epoch, step + 1, step_loss)))
             images += step_images
-            run.step_done(epoch, step + 1, lr=lr, consumed=images * size,
-                          loss=lambda s=step_loss, n=step_images: (s / n).item())
+            run.step_done(epoch, step + 1, lr=lr, consumed=images * size, loss=step_loss)
+        stop_if(finite.flush())  # the epoch's last step, before a checkpoint can hold it
         average_buffers(model)  # BatchNorm's statistics, the same on every rank from here
         run.end_epoch(epoch, train_sums=[loss_sum.item(), images], seconds=time.perf_counter() - t0,
                       lr=lr, evaluate=lambda: data.eval_sums(model, rank, size),

@@ -1,0 +1,50 @@
+"""The per-step divergence check of the PyTorch trainer (torch_models.evaluation.FiniteWatch):
+at once on a CPU, one step late on a GPU (``lag``), and never a step missed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_models.evaluation import FiniteWatch
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+def _poison(model):
+    with torch.no_grad():
+        model[1].bias[0] = float("nan")
+
+
+def test_without_lag_the_step_that_diverged_is_named_at_once():
+    model = _model()
+    watch = FiniteWatch(model, lag=False)
+    assert watch.step("step 1") is None
+    _poison(model)
+    assert watch.step("step 2") == "step 2"
+    assert watch.flush() is None
+
+
+def test_with_lag_a_step_is_named_one_step_later():
+    model = _model()
+    watch = FiniteWatch(model, lag=True)
+    assert watch.step("step 1") is None
+    assert watch.step("step 2") is None  # step 1 read: finite
+    _poison(model)
+    assert watch.step("step 3") is None  # step 2 read: finite
+    assert watch.step("step 4") == "step 3"  # the first non-finite step, not the latest
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_with_lag_flush_reads_the_last_step(steps):
+    model = _model()
+    watch = FiniteWatch(model, lag=True)
+    for s in range(1, steps):
+        assert watch.step(s) is None
+    _poison(model)
+    assert watch.step(steps) is None
+    assert watch.flush() == steps
+    assert watch.flush() is None  # nothing pending after a flush
