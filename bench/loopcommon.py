@@ -105,8 +105,9 @@ class StepClock:
     With ``workers``, also the CPU time its DataLoader workers burnt meanwhile
     (``workers_cpu_seconds``)."""
 
-    def __init__(self, warmup: int, workers: bool = False) -> None:
+    def __init__(self, warmup: int, workers: bool = False, sync=None) -> None:
         self.warmup, self.count, self.t0, self.seconds = warmup, 0, None, 0.0
+        self.sync = sync or (lambda: None)  # e.g. torch.cuda.synchronize: the GPU's queue drained
         self.cpu0, self.cpu_seconds = 0.0, 0.0
         self.workers, self.workers0, self.workers_cpu_seconds = workers, {}, 0.0
 
@@ -114,6 +115,7 @@ class StepClock:
         """Call after each finished step."""
         self.count += 1
         if self.count == self.warmup:
+            self.sync()
             if self.workers:
                 self.workers0 = procs.workers_cpu()
             self.t0, self.cpu0 = time.perf_counter(), time.process_time()
@@ -121,6 +123,7 @@ class StepClock:
     def stop(self) -> None:
         if self.t0 is None:
             raise RuntimeError("fewer steps than warm-up steps")
+        self.sync()
         self.seconds = time.perf_counter() - self.t0
         self.cpu_seconds = time.process_time() - self.cpu0
         if self.workers:

@@ -32,7 +32,15 @@ from torch_models.model import build
 
 
 def main() -> None:
-    args = parser(("none", "horovod", "ddp")).parse_args()
+    p = parser(("none", "horovod", "ddp"))
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the model, and with --data mnist the whole training set, on the GPU")
+    p.add_argument("--amp", action="store_true",
+                   help="mixed precision, as the trainer's --amp (--device cuda, --wrapper none)")
+    args = p.parse_args()
+    if args.amp and (args.device != "cuda" or args.wrapper != "none"):
+        p.error("--amp needs --device cuda and --wrapper none")
+    device = torch.device(args.device)
     rank, size, local_size, hvd, dist = 0, 1, 1, None, None
     if args.wrapper == "horovod":
         import horovod.torch as hvd
@@ -54,7 +62,7 @@ def main() -> None:
         from torch_models.data import open_data, workers
 
         trainer = trainer_args(args)
-        data = open_data(trainer, None, torch.device("cpu"), local_size)
+        data = open_data(trainer, None, device, local_size)
         shape, classes = data.info.input_shape, data.info.num_classes
         index_batches = folder_batches(data.info.train_size, rank, size, args.batch_size,
                                        args.warmup_steps + args.steps)
@@ -62,7 +70,7 @@ def main() -> None:
     else:
         shape, classes = args.input_shape, args.classes
     torch.manual_seed(rank)
-    model = build(args.model, SimpleNamespace(input_shape=shape, num_classes=classes), 0.5)
+    model = build(args.model, SimpleNamespace(input_shape=shape, num_classes=classes), 0.5).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.base_lr * size, momentum=0.9)
     if hvd is not None:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
@@ -73,13 +81,17 @@ def main() -> None:
 
     if args.data == "synthetic":
         x, y = synthetic_batch(args.batch_size, rank, shape, classes)
-        fixed = (torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))), torch.from_numpy(y))
+        fixed = (torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))).to(device),
+                 torch.from_numpy(y).to(device))
     elif args.data == "mnist":
         images, labels, idx = mnist_shard(rank, size)
-        all_x, all_y = torch.from_numpy(images).unsqueeze(1), torch.from_numpy(labels)
-        idx = torch.from_numpy(idx)
+        all_x, all_y = torch.from_numpy(images).unsqueeze(1).to(device), torch.from_numpy(labels).to(device)
+        idx = torch.from_numpy(idx).to(device)
+    # As the trainer's --amp: autocast forward, scaled backward and step.
+    scaler = torch.amp.GradScaler("cuda") if args.amp else None
 
-    clock = StepClock(args.warmup_steps, workers=folder)
+    clock = StepClock(args.warmup_steps, workers=folder,
+                      sync=torch.cuda.synchronize if device.type == "cuda" else None)
     model.train()
     for step in range(args.warmup_steps + args.steps):
         if args.data == "synthetic":
@@ -91,14 +103,21 @@ def main() -> None:
             b = idx[start:start + args.batch_size]
             bx, by = all_x[b], all_y[b]
         optimizer.zero_grad()
-        F.cross_entropy(model(bx), by).backward()
-        optimizer.step()
+        with torch.autocast("cuda", enabled=scaler is not None):
+            loss = F.cross_entropy(model(bx), by)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
         clock.tick()
     clock.stop()
     # every rank's clock, the slowest one counts (they finish together up to one step anyway)
     seconds = slowest_torch(clock.seconds, hvd, dist)
     if rank == 0:
-        extra = {"torch": torch.__version__, "model": args.model,
+        extra = {"torch": torch.__version__, "model": args.model, "device": args.device, "amp": args.amp,
                  "input_shape": list(shape), "classes": classes,
                  "rank0_cores_busy": clock.cpu_seconds / clock.seconds}
         if folder:
