@@ -64,10 +64,10 @@ class FloorConfig:
     wait_late_ms: float = 50.0
     wait_reps: int = 10
     train_nps: list[int] = field(default_factory=lambda: [1, 2, 4])
-    train_rounds: int = 2
+    train_rounds: int = 4  # paired rounds: a single pair varied 0.87-1.11x here (floor_analysis.md)
     train_warmup: int = 8
-    train_steps: int = 40
-    trainer_steps: int = 40
+    train_steps: int = 60
+    trainer_steps: int = 60
     timeout_s: float = 600
 
     def to_dict(self) -> dict:
