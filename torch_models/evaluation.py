@@ -38,8 +38,8 @@ class FiniteWatch:
             return None if math.isfinite(float(weights_total(self.model))) else tag
         # On a GPU: the largest |weight|, from one fused (foreach) kernel over every tensor, where
         # weights_total launches one per tensor.  A NaN or inf anywhere makes it non-finite, and
-        # unlike a sum it cannot overflow.  (On a CPU the sums are cheaper: 83-266 against 490 us
-        # per step for the CNN on one core.)
+        # unlike a sum it cannot overflow.  (On a CPU the sums are cheaper: timed for the CNN on
+        # one core on 2026-11-26, 83-266 us per step against 490 us for this.)
         total = torch.nn.utils.get_total_norm(self.params, float("inf"))
         event = None
         host = total.to("cpu", non_blocking=True)  # into pinned memory, when from a GPU
