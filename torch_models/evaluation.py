@@ -11,8 +11,9 @@ import torch
 
 def weights_total(model) -> torch.Tensor:
     """One float64 sum of every parameter, on the model's device: a single NaN or inf anywhere
-    makes it non-finite (30 us per step for the CNN on one core, where ``isfinite().all()`` took
-    600 us)."""
+    makes it non-finite.  For the CNN on one core: 30 us per step where ``isfinite().all()`` took
+    600 us (Xeon host); 83-266 us where ``get_total_norm(params, inf)`` took 490 (2026-11-26, EPYC
+    host), so a CPU keeps these sums."""
     with torch.no_grad():
         return torch.stack([p.sum(dtype=torch.float64) for p in model.parameters()]).sum()
 
@@ -38,8 +39,7 @@ class FiniteWatch:
             return None if math.isfinite(float(weights_total(self.model))) else tag
         # On a GPU: the largest |weight|, from one fused (foreach) kernel over every tensor, where
         # weights_total launches one per tensor.  A NaN or inf anywhere makes it non-finite, and
-        # unlike a sum it cannot overflow.  (On a CPU the sums are cheaper: timed for the CNN on
-        # one core on 2026-11-26, 83-266 us per step against 490 us for this.)
+        # unlike a sum it cannot overflow.  (On a CPU the sums are cheaper: weights_total.)
         total = torch.nn.utils.get_total_norm(self.params, float("inf"))
         event = None
         host = total.to("cpu", non_blocking=True)  # into pinned memory, when from a GPU
