@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -40,6 +42,49 @@ def test_oversubscribed_without_extra_flags(tmp_path):
                 *QUICK, "--metrics-out", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert metrics(out)["world_size"] == 3
+
+
+BTL_PROBE = "import os; print('btl=' + os.environ.get('OMPI_MCA_btl', ''))"
+
+
+def btl_seen_by_ranks(env: dict | None = None) -> list[str]:
+    from conftest import BIN
+
+    proc = run([str(BIN / "horovodrun"), "-np", "2", sys.executable, "-c", BTL_PROBE], timeout=120,
+               env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return re.findall(r"btl=([\w^,]*)", proc.stdout)
+
+
+@requires_horovod
+def test_btl_selection_adds_openib_to_the_configured_one():
+    from horovod.runner.mpi_run import _btl_selection
+
+    assert _btl_selection("^uct,openib,ofi") == "^uct,openib,ofi"  # Debian 12's file
+    assert _btl_selection('"^ofi"') == "^ofi,openib"
+    assert _btl_selection("self,vader,tcp") == "self,vader,tcp"  # an inclusion list stays
+    assert _btl_selection("self,vader,openib") == "^openib"      # ... unless it names openib
+    assert _btl_selection("") == _btl_selection(None) == "^openib"  # upstream's flag
+
+
+@requires_horovod
+@pytest.mark.skipif(shutil.which("ompi_info") is None, reason="no Open MPI (ompi_info) here")
+def test_horovodrun_keeps_open_mpis_own_btl_exclusions():
+    """Upstream horovodrun passed `-mca btl ^openib`, which replaces Open MPI's configured btl
+    selection: Debian's `^uct,openib,ofi` lost its libfabric exclusion, and every small MPI call
+    got 3x slower (issue 23; horovod/runner/mpi_run.py in the patch).  The ranks see openib added
+    to what Open MPI is configured with (here: a user's OMPI_MCA_btl, then the machine's files)."""
+    assert btl_seen_by_ranks({"OMPI_MCA_btl": "^ofi,uct"}) == ["^ofi,uct,openib"] * 2
+    configured = subprocess.run(["ompi_info", "--parsable", "--param", "btl", "all", "--level", "9"],
+                                capture_output=True, text=True, timeout=60).stdout
+    value = re.search(r"^mca:btl:base:param:btl:value:(.*)$", configured, re.M)
+    value = value.group(1).strip('"') if value else ""
+    for seen in btl_seen_by_ranks():
+        if value.startswith("^") or not value:
+            assert seen.startswith("^"), seen
+            assert set(seen[1:].split(",")) == set(filter(None, value[1:].split(","))) | {"openib"}
+        else:
+            assert seen == value
 
 
 def test_help_lists_frameworks_and_trainer_flags():
