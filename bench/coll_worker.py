@@ -128,7 +128,8 @@ def ps_allreduce(comm, buf: np.ndarray, tmp: np.ndarray, counter: PSCounter | No
 class Backend:
     """The handful of calls the timing loop needs, per implementation."""
 
-    def __init__(self, impl: str) -> None:
+    def __init__(self, impl: str, numpy_buffers: bool = False) -> None:
+        self.numpy_buffers = numpy_buffers
         # hvd-sleep: Horovod, but the rank waits for each allreduce by polling with a sleep
         # instead of horovod.torch's synchronous wait, which spins on std::this_thread::yield()
         # (torch/mpi_ops_v2.cc: WaitAndClear) and so takes a core for the whole collective
@@ -167,6 +168,8 @@ class Backend:
 
     def buffer(self, nbytes: int) -> Any:
         n = nbytes // 4
+        if self.impl in ("hvd", "torch") and self.numpy_buffers:
+            return self.torch.from_numpy(np.ones(n, dtype=np.float32))
         if self.impl in ("hvd", "torch"):
             return self.torch.ones(n, dtype=self.torch.float32)
         self.tmp = np.empty(n, dtype=np.float32)
@@ -290,8 +293,15 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=4.0, help="seconds per size, roughly")
     p.add_argument("--out", required=True)
     p.add_argument("--count-iface", default=None, help="count this interface's bytes per size")
+    # numpy advises the kernel to back arrays of 4 MiB and up with huge pages, torch's allocator
+    # does not, and at 16 MiB that alone moved an allreduce at -np 2 by 1.4-1.6x for either
+    # library (horovod.torch 1.64-1.87 ms on a numpy-allocated tensor against 2.30-2.57 on
+    # torch.ones; mpi4py 1.47-1.59 against 2.39-2.40; 2026-11-26)
+    p.add_argument("--numpy-buffers", action="store_true",
+                   help="torch implementations reduce numpy-allocated memory too (torch.from_numpy), "
+                        "so every implementation works on the same kind of buffer")
     args = p.parse_args()
-    be = Backend(args.impl)
+    be = Backend(args.impl, numpy_buffers=args.numpy_buffers)
     rows = [measure(be, int(s), args.warmup, args.reps, args.budget, args.count_iface, args.warmup_s)
             for s in args.sizes.split(",")]
     if be.rank == 0:

@@ -9,7 +9,8 @@ the environment variable, back to back:
 
 * collectives: ``bench/coll_worker.py --impl hvd`` under ``horovodrun`` (MPI controller) and
   ``horovodrun --gloo``, both loops, against mpi4py's ``Allreduce`` (``mpirun``), 4 KiB-64 MiB,
-  -np 2 and 4;
+  -np 2 and 4, every one on numpy-allocated buffers (``--numpy-buffers``: from 4 MiB up numpy's
+  huge pages alone were worth 1.4-1.6x at 16 MiB);
 * fusion: ``bench/fusion_worker.py``, 20 small gradients per step through
   ``DistributedOptimizer``: allreduce calls per step, tensors and bytes per call (Horovod's loop
   counters);
@@ -122,7 +123,7 @@ def collective(cfg: FloorConfig, out: Path, np: int, impl: str, controller: str,
     result = out / "tmp" / "floor" / name / "result.json"
     inner = [util.PY, "-m", "bench.coll_worker", "--impl", impl, "--sizes", ",".join(map(str, cfg.sizes)),
              "--warmup", str(cfg.warmup), "--warmup-s", str(cfg.warmup_s), "--reps", str(cfg.reps),
-             "--budget", str(cfg.budget_s),
+             "--budget", str(cfg.budget_s), "--numpy-buffers",
              "--out", str(result)]
     if impl == "hvd":
         cmd, env = util.horovodrun(np, inner, gloo=controller == "gloo"), LOOPS[loop]
