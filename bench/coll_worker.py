@@ -168,9 +168,9 @@ class Backend:
 
     def buffer(self, nbytes: int) -> Any:
         n = nbytes // 4
-        if self.impl in ("hvd", "torch") and self.numpy_buffers:
-            return self.torch.from_numpy(np.ones(n, dtype=np.float32))
         if self.impl in ("hvd", "torch"):
+            if self.numpy_buffers:
+                return self.torch.from_numpy(np.ones(n, dtype=np.float32))
             return self.torch.ones(n, dtype=self.torch.float32)
         self.tmp = np.empty(n, dtype=np.float32)
         return np.ones(n, dtype=np.float32)

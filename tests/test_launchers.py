@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, SMALL, metrics, requires_horovod, run, train
+from conftest import BIN, REPO, SMALL, metrics, requires_horovod, run, train
 
 MODULES = {"torch": "launch.torch_mnist", "tf": "launch.tf_mnist"}
 QUICK = [*SMALL, "--epochs", "1"]
@@ -36,8 +36,6 @@ def test_same_job_under_every_launcher(fw, how, np_, controller, tmp_path):
 def test_oversubscribed_without_extra_flags(tmp_path):
     """-np 3 on a 2-core machine: horovodrun's default host list, no -H, no --oversubscribe."""
     out = tmp_path / "m.json"
-    from conftest import BIN
-
     proc = run([str(BIN / "horovodrun"), "-np", "3", sys.executable, "-m", "launch.torch_mnist",
                 *QUICK, "--metrics-out", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -48,8 +46,6 @@ BTL_PROBE = "import os; print('btl=' + os.environ.get('OMPI_MCA_btl', ''))"
 
 
 def btl_seen_by_ranks(env: dict | None = None) -> list[str]:
-    from conftest import BIN
-
     proc = run([str(BIN / "horovodrun"), "-np", "2", sys.executable, "-c", BTL_PROBE], timeout=120,
                env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
