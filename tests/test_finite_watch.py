@@ -48,3 +48,21 @@ def test_with_lag_flush_reads_the_last_step(steps):
     assert watch.step(steps) is None
     assert watch.flush() == steps
     assert watch.flush() is None  # nothing pending after a flush
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_with_lag_any_non_finite_weight_of_any_dtype_in_a_mixed_model_is_caught(dtype, value):
+    # The lagged check reads one largest |weight| per tensor, from one foreach call per dtype: a
+    # model whose layers differ in dtype, poisoned in any one of its tensors.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 3).half(),
+                                torch.nn.Linear(3, 3).bfloat16(), torch.nn.Linear(3, 2).double())
+    layer = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}[dtype]
+    watch = FiniteWatch(model, lag=True)
+    assert watch.step(1) is None
+    assert watch.step(2) is None
+    with torch.no_grad():
+        model[layer].weight[1, 2] = value
+    assert watch.step(3) is None  # step 2 read: finite
+    assert watch.flush() == 3
