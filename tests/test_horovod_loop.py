@@ -82,10 +82,11 @@ def test_a_name_stays_taken_until_its_handle_is_synchronized(tmp_path):
 def test_a_rank_waiting_for_a_late_peer_gives_its_core_back(tmp_path, how, env):
     results = probe(tmp_path, "late", how, env=env)
     assert [res["wrong"] for res in results] == [0, 0]
-    # Rank 0 waited about 1 s in all (5 x 0.2 s).  0.28.1's loop spins there (its background
-    # thread in MPI_Allreduce, the caller on yield()): more than one core.  The patch's waits sleep.
+    # Rank 0 waited about 1 s in all (5 x 0.2 s, less how much later than rank 1 it left each
+    # barrier: bounded loosely, for a loaded machine).  0.28.1's loop spins there (its background
+    # thread in MPI_Allreduce, the caller on yield()): a core or more.  The patch's waits sleep.
     waited = results[0]
-    assert waited["wall"] >= 0.9
+    assert waited["wall"] >= 0.5, waited
     assert waited["cpu"] / waited["wall"] < 0.5, waited
 
 
