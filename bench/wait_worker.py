@@ -24,6 +24,23 @@ from pathlib import Path
 OPS = ("torch-allreduce", "tf-allreduce", "tf-broadcast-inplace")
 
 
+def late_calls(call, barrier, rank: int, late_s: float, reps: int) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of this process over each of ``reps`` calls of ``call``, which every
+    rank but 0 makes ``late_s`` after a ``barrier``; one more call first, not counted (it
+    negotiates the names).  Also ``tests/loop_probe.py``'s ``late`` mode."""
+    rows = []
+    for rep in range(reps + 1):
+        barrier()
+        if rank != 0:
+            time.sleep(late_s)
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        call()
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        if rep:
+            rows.append((wall, cpu))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--op", choices=OPS, required=True)
@@ -70,16 +87,7 @@ def main() -> None:
         def barrier() -> None:
             hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="wait_barrier").numpy()
 
-    rows = []
-    for rep in range(args.reps + 1):  # the first one negotiates the names: not counted
-        barrier()
-        if hvd.rank() != 0:
-            time.sleep(args.late_ms / 1e3)
-        wall0, cpu0 = time.perf_counter(), time.process_time()
-        call()
-        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-        if rep:
-            rows.append((wall, cpu))
+    rows = late_calls(call, barrier, hvd.rank(), args.late_ms / 1e3, args.reps)
     if hvd.rank() == 0:
         Path(args.out).write_text(json.dumps({
             "op": args.op, "world_size": hvd.size(), "late_ms": args.late_ms, "reps": args.reps,

@@ -34,7 +34,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import _basics
 
-from bench import loopcounters
+from bench import loopcounters, wait_worker
 
 
 def in_threads(*targets) -> list[str]:
@@ -155,19 +155,16 @@ def names_mode(rank: int, size: int) -> dict:
 
 
 def late_mode(rank: int, size: int) -> dict:
-    wrong, cpu, wall = 0, 0.0, 0.0
-    for i in range(6):
-        hvd.barrier()
-        if rank != 0:
-            time.sleep(0.2)
-        w0, c0 = time.perf_counter(), time.process_time()
-        out = hvd.synchronize(hvd.allreduce_async_(torch.full((1024,), float(rank + i)), op=hvd.Sum,
-                                                   name="late"))
-        if i > 0:
-            cpu += time.process_time() - c0
-            wall += time.perf_counter() - w0
-        wrong += int(out.tolist() != [float(size * i + size * (size - 1) // 2)] * 1024)
-    return {"wrong": wrong, "cpu": cpu, "wall": wall}
+    results: list[list[float]] = []
+
+    def call():
+        i = len(results)
+        results.append(hvd.synchronize(hvd.allreduce_async_(
+            torch.full((1024,), float(rank + i)), op=hvd.Sum, name="late")).tolist())
+
+    rows = wait_worker.late_calls(call, hvd.barrier, rank, 0.2, 5)
+    wrong = sum(out != [float(size * i + size * (size - 1) // 2)] * 1024 for i, out in enumerate(results))
+    return {"wrong": wrong, "cpu": sum(c for _, c in rows), "wall": sum(w for w, _ in rows)}
 
 
 def main() -> None:
