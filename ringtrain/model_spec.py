@@ -34,10 +34,21 @@ def check_spec(spec: str) -> str:
 CNN_MIN_SIDE = 16  # two 5x5 convolutions, each followed by a 2x2 pool, leave 1 pixel of 16
 
 
-def check_builtin_input(spec: str, input_shape: tuple[int, int, int]) -> None:
-    """The built-in CNN needs images of at least 16 x 16 pixels (``input_shape`` channels last);
-    said before the framework tries, whose errors differ (Keras raises while building)."""
-    height, width, _ = input_shape
+def check_builtin_input(spec: str, data) -> None:
+    """The built-in CNN needs images of at least 16 x 16 pixels, the built-in MLP float inputs
+    (``data`` a :class:`ringtrain.data.dataset.DataInfo`); said before the framework tries, whose
+    errors differ (Keras raises while building)."""
+    if spec == "mlp" and data.input_dtype != "float32":
+        raise UserError(f"--model mlp reads float features; --data {data.spec} gives "
+                        f"{data.input_dtype} token ids of shape {tuple(data.input_shape)}: bring a "
+                        f"model that embeds them (--model package.module:function)")
+    if spec != "cnn":
+        return
+    if not data.image:
+        raise UserError(f"--model cnn reads images; --data {data.spec} gives {data.input_dtype} "
+                        f"inputs of shape {tuple(data.input_shape)}: use --model mlp (float "
+                        f"features) or your own --model")
+    height, width, _ = data.input_shape
     if spec == "cnn" and min(height, width) < CNN_MIN_SIDE:
         raise UserError(f"--model cnn needs images of at least {CNN_MIN_SIDE}x{CNN_MIN_SIDE} pixels "
                         f"(two 5x5 convolutions and 2x2 pools), the data's are {height}x{width}; "

@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 from conftest import metrics, mounted_tmpfs, one_error_line, requires_horovod, run
 
+from ringtrain.data.dataset import mnist_info
 from ringtrain.output import checkpoint
+from ringtrain.training.run import RunIdentity
 
 pytestmark = requires_horovod
 MODULES = {"torch": "launch.torch_mnist", "tf": "launch.tf_mnist"}
@@ -69,10 +71,15 @@ def evil_torch_archive(marker: Path) -> bytes:
     return buf.getvalue()
 
 
+def mnist_cnn(framework: str) -> RunIdentity:
+    """The identity of a run of the built-in CNN on MNIST, as checkpoints record it."""
+    return RunIdentity(framework, {}, "cnn", "mnist-cnn-v1", 184_586, mnist_info())
+
+
 def evil_npz(marker: Path) -> bytes:
     """A real .npz with our metadata, plus an object array holding the exploit."""
     buf = io.BytesIO()
-    meta = checkpoint.metadata("tf", "mnist-cnn-v1", 184_586, 9, {})
+    meta = checkpoint.metadata(mnist_cnn("tf"), 9, {})
     np.savez(buf, meta=np.array(json.dumps(meta)), payload=np.array([Exploit(marker)], dtype=object))
     return buf.getvalue()
 
@@ -145,7 +152,7 @@ def test_only_damaged_checkpoints_are_one_line(saved, tmp_path):
 def test_a_checkpoint_from_a_newer_format_is_one_line(framework, tmp_path):
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    meta = checkpoint.metadata(framework, "mnist-cnn-v1", 184_586, 1, {})
+    meta = checkpoint.metadata(mnist_cnn(framework), 1, {})
     meta["format_version"] = checkpoint.FORMAT_VERSION + 1
     if framework == "torch":
         import torch

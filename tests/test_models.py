@@ -185,7 +185,8 @@ def test_wrong_output_shape_ends_every_rank_in_one_line(user_path):
 # --- in-process: every spec error is one line, in both frameworks -------------------------------
 
 class FakeDataset:
-    name, input_shape, num_classes = "mnist", (28, 28, 1), 10
+    name, spec, input_shape, num_classes, input_dtype, image = "mnist", "mnist", (28, 28, 1), 10, \
+        "float32", True
 
 
 @pytest.mark.parametrize("fw", ["torch", "tf"])

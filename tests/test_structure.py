@@ -126,15 +126,97 @@ def test_command_line_checks_import_no_framework():
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("trainer", ["torch_models/train.py", "tf_models/train.py"])
-def test_the_six_horovod_steps_are_marked_within_one_screen(trainer):
-    lines = (REPO / trainer).read_text().splitlines()
-    marks = {}
-    for number, line in enumerate(lines):
-        m = re.search(r"# Horovod: (\w+)", line)
-        if m:
-            marks.setdefault(m.group(1), number)
-    steps = ("initialise", "pin", "scale", "broadcast", "wrap", "shard")
-    assert set(steps) <= set(marks), marks
-    span = max(marks[s] for s in steps) - min(marks[s] for s in steps)
-    assert span <= 60, f"the Horovod lines of {trainer} span {span} lines"
+TRAINERS = ("torch_models/run.py", "torch_models/train.py", "torch_models/elastic.py",
+            "tf_models/run.py", "tf_models/train.py", "tf_models/elastic.py")
+
+
+def horovod_names(tree: ast.Module) -> set[str]:
+    """The names a module binds to Horovod: its modules (``hvd``, ``hvd_keras``) and what it
+    imports from them (``run_fn``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name for a in node.names if a.name.startswith("horovod")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("horovod"):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def horovod_calls(tree: ast.Module) -> list[tuple[int, str]]:
+    """(first line of the statement, the call) of every call into Horovod, and of every decorator
+    that is Horovod's (``@hvd.elastic.run``)."""
+    names = horovod_names(tree)
+
+    def root(node) -> str | None:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    def statement_line(node) -> int:
+        while not isinstance(node, ast.stmt):
+            child, node = node, parents[node]
+            if child in getattr(node, "decorator_list", ()):
+                return child.lineno
+        return node.lineno
+
+    found = []
+    for node in ast.walk(tree):
+        decorators = [d for d in getattr(node, "decorator_list", ()) if root(d) in names]
+        found += [(d.lineno, ast.unparse(d)) for d in decorators]
+        if isinstance(node, ast.Call) and root(node.func) in names and node.func not in decorators:
+            found.append((statement_line(node), ast.unparse(node.func)))
+    return sorted(set(found))
+
+
+def marked(lines: list[str], first: int, calls: set[int] = frozenset()) -> bool:
+    """Line ``first`` (1-based) carries ``# Horovod:``, or the comment block right above it does,
+    or it follows a marked Horovod call on the line before (one comment for a group of calls, as
+    Horovod's examples mark ``broadcast_parameters`` and ``broadcast_optimizer_state``)."""
+    if "# Horovod:" in lines[first - 1]:
+        return True
+    i = first - 2
+    while i >= 0 and lines[i].strip().startswith("#"):
+        if "# Horovod:" in lines[i]:
+            return True
+        i -= 1
+    return first - 1 in calls and marked(lines, first - 1, calls)
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_every_horovod_call_in_a_trainer_is_marked(trainer):
+    text = (REPO / trainer).read_text()
+    lines = text.splitlines()
+    calls = horovod_calls(ast.parse(text))
+    lines_with_calls = {line for line, _ in calls}
+    unmarked = [(line, call) for line, call in calls if not marked(lines, line, lines_with_calls)]
+    assert not unmarked, f"{trainer}: Horovod calls without a '# Horovod:' comment: {unmarked}"
+
+
+def test_the_mark_check_sees_an_unmarked_call():
+    code = "import horovod.torch as hvd\n# Horovod: initialise\nhvd.init()\nx = hvd.rank()\n"
+    calls = horovod_calls(ast.parse(code))
+    assert calls == [(3, "hvd.init"), (4, "hvd.rank")]
+    assert [marked(code.splitlines(), line) for line, _ in calls] == [True, False]
+
+
+@pytest.mark.parametrize("run_file", ["torch_models/run.py", "tf_models/run.py"])
+def test_the_horovod_steps_are_marked_within_one_screen(run_file):
+    """Horovod's recipe, as its own examples show it: initialise, pin, scale the LR, wrap the
+    optimizer, broadcast, together in the run object; the shard is the shared loops'."""
+    def marks(path):
+        found = {}
+        for number, line in enumerate((REPO / path).read_text().splitlines()):
+            m = re.search(r"# Horovod: (\w+)", line)
+            if m:
+                found.setdefault(m.group(1), number)
+        return found
+
+    steps = ("initialise", "pin", "scale", "wrap", "broadcast")
+    found = marks(run_file)
+    assert set(steps) <= set(found), found
+    span = max(found[s] for s in steps) - min(found[s] for s in steps)
+    assert span <= 60, f"the Horovod lines of {run_file} span {span} lines"
+    for loop in ("ringtrain/training/fixed.py", "ringtrain/training/elastic.py"):
+        assert "shard" in marks(loop), loop

@@ -67,16 +67,18 @@ def test_model_matches_the_torch_reference():
 @requires_horovod
 def test_checkpoint_round_trip_and_corrupt_file(tmp_path, capsys):
     import argparse
+    import dataclasses
 
     import keras
 
     from ringtrain.data.dataset import mnist_info
     from ringtrain.errors import UserError
     from ringtrain.output import checkpoint
+    from ringtrain.training.run import RunIdentity
     from tf_models import checkpoints
-
-    MNIST = mnist_info()
     from tf_models.model import build_cnn
+
+    MNIST = RunIdentity("tf", {}, "cnn", "mnist-cnn-v1", 184_586, mnist_info())
 
     def fresh(seed, lr=0.1):
         keras.utils.set_random_seed(seed)
@@ -90,10 +92,10 @@ def test_checkpoint_round_trip_and_corrupt_file(tmp_path, capsys):
     for m in opt.variables[2:]:  # after the step counter and the LR: the momentum slots
         m.assign(np.full(m.shape, 0.5, np.float32))
     args = argparse.Namespace(epochs=3, seed=1, resume=False, no_progress=True, model="cnn")
-    checkpoints.save(str(tmp_path), 2, net, opt, "mnist-cnn-v1", 184_586, args, MNIST)
+    checkpoints.save(str(tmp_path), 2, net, opt, MNIST, args)
 
     other, other_opt = fresh(2)
-    epoch = checkpoints.restore(str(tmp_path), other, other_opt, "mnist-cnn-v1", 184_586, MNIST)
+    epoch = checkpoints.restore(str(tmp_path), other, other_opt, MNIST)
     assert epoch == 2
     for a, b in zip(net.weights, other.weights, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
@@ -104,21 +106,22 @@ def test_checkpoint_round_trip_and_corrupt_file(tmp_path, capsys):
     # A damaged newest checkpoint: resume falls back to the previous one and says so; with no
     # intact one left, it is one line.
     checkpoint.path_for(tmp_path, 3, "npz").write_bytes(b"PK\x03\x04 definitely not a zip")
-    assert checkpoints.restore(str(tmp_path), other, other_opt, "mnist-cnn-v1", 184_586, MNIST) == 2
+    assert checkpoints.restore(str(tmp_path), other, other_opt, MNIST) == 2
     assert "ckpt-epoch0003.npz is damaged" in capsys.readouterr().err
     checkpoint.path_for(tmp_path, 2, "npz").write_bytes(b"PK\x03\x04 not one either")
     with pytest.raises(UserError, match="corrupt") as err:
-        checkpoints.restore(str(tmp_path), other, other_opt, "mnist-cnn-v1", 184_586, MNIST)
+        checkpoints.restore(str(tmp_path), other, other_opt, MNIST)
     assert "\n" not in str(err.value)
 
     wrong = tmp_path / "wrong"
     wrong.mkdir()
-    checkpoints.save(str(wrong), 1, net, opt, "mnist-cnn-v1", 184_586, args, MNIST)
+    checkpoints.save(str(wrong), 1, net, opt, MNIST, args)
     with pytest.raises(UserError, match="belongs to param_count"):
-        checkpoints.restore(str(wrong), other, other_opt, "mnist-cnn-v1", 123, MNIST)
+        checkpoints.restore(str(wrong), other, other_opt, dataclasses.replace(MNIST, param_count=123))
     with pytest.raises(UserError, match="belongs to model 'mnist-cnn-v1', not 'mnist-mlp-v1'; "
                                         "resume with --model cnn or use another --checkpoint-dir"):
-        checkpoints.restore(str(wrong), other, other_opt, "mnist-mlp-v1", 184_586, MNIST)
+        checkpoints.restore(str(wrong), other, other_opt,
+                            dataclasses.replace(MNIST, model_name="mnist-mlp-v1"))
 
     # Checkpoints from before the LR was set per step: the optimizer ran a schedule, which is not
     # a variable, so they hold one optimizer variable fewer.  They still resume.
@@ -127,8 +130,8 @@ def test_checkpoint_round_trip_and_corrupt_file(tmp_path, capsys):
     net, opt = fresh(3, lr=lambda: 0.1)
     for m in opt.variables[1:]:
         m.assign(np.full(m.shape, 0.25, np.float32))
-    checkpoints.save(str(old), 4, net, opt, "mnist-cnn-v1", 184_586, args, MNIST)
-    assert checkpoints.restore(str(old), other, other_opt, "mnist-cnn-v1", 184_586, MNIST) == 4
+    checkpoints.save(str(old), 4, net, opt, MNIST, args)
+    assert checkpoints.restore(str(old), other, other_opt, MNIST) == 4
     for a, b in zip(opt.variables[1:], other_opt.variables[2:], strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 

@@ -11,9 +11,9 @@ import json
 import keras
 import numpy as np
 
-from ringtrain.data.dataset import DataInfo
 from ringtrain.errors import UserError
 from ringtrain.output import checkpoint
+from ringtrain.training.run import RunIdentity
 
 EXT = "npz"
 
@@ -24,8 +24,8 @@ def rng_variables(net: keras.Model) -> list:
     return [v for v in net.variables if id(v) not in weights]
 
 
-def save(path_dir: str, epoch: int, net: keras.Model, optimizer, model_name: str,
-         param_count: int, args: argparse.Namespace, data: DataInfo) -> None:
+def save(path_dir: str, epoch: int, net: keras.Model, optimizer, identity: RunIdentity,
+         args: argparse.Namespace) -> None:
     """One ``.npz``: ``model_NNNN`` (weights in model order), ``optimizer_NNNN`` (iteration
     counter, momentum slots), ``rng_NNNN`` (rank 0's dropout seed state) and ``meta``, the JSON
     of :func:`ringtrain.output.checkpoint.metadata` plus ``weight_keys``, the names of the weight
@@ -35,8 +35,7 @@ def save(path_dir: str, epoch: int, net: keras.Model, optimizer, model_name: str
                               ("rng", rng_variables(net))):
         for i, var in enumerate(variables):
             arrays[f"{prefix}_{i:04d}"] = np.asarray(var.numpy())
-    meta = checkpoint.metadata("tf", model_name, param_count, epoch, checkpoint.config_of(args),
-                               data.record())
+    meta = checkpoint.metadata(identity, epoch, checkpoint.config_of(args))
     meta["weight_keys"] = [f"model_{i:04d}" for i in range(len(net.weights))]
     arrays["meta"] = np.array(json.dumps(meta))
     buf = io.BytesIO()
@@ -74,12 +73,10 @@ def read(path) -> tuple[object, dict]:
     return meta, arrays
 
 
-def restore(path_dir: str, net: keras.Model, optimizer, model_name: str, param_count: int,
-            data: DataInfo) -> int:
+def restore(path_dir: str, net: keras.Model, optimizer, identity: RunIdentity) -> int:
     """Restore rank 0's model/optimizer from the newest intact checkpoint; return its epoch (0 if
     there is none)."""
-    found = checkpoint.restore_newest(path_dir, EXT, read, framework="tf", model=model_name,
-                                      param_count=param_count, data=data.record())
+    found = checkpoint.restore_newest(path_dir, EXT, read, identity)
     if found is None:
         return 0
     epoch, arrays = found

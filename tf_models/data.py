@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from ringtrain.data import user_data
 from ringtrain.data.dataset import ArrayData, DataInfo, FolderData
-from ringtrain.data.sharding import eval_indices, fixed_sample, shard_indices
+from ringtrain.data.sharding import eval_indices, fixed_sample
 from ringtrain.errors import UserError
 from ringtrain.runtime import threads_per_rank
 from ringtrain.training import startup
@@ -31,17 +31,6 @@ from ringtrain.training.evaluation import EVAL_BATCH
 from ringtrain.training.world import World
 
 BatchSums = Callable[[Any, Any], tuple[Any, Any]]  # (x, y) -> (loss sum, correct), traced
-
-
-def epoch_batches(n_train: int, rank: int, size: int, args: argparse.Namespace, epoch: int,
-                  steps: int) -> list[np.ndarray]:
-    """This rank's index batches for ``epoch``: ``steps`` x K micro-batches of batch-size indices
-    from the shard the PyTorch trainer uses, so both frameworks see the same images in the same
-    order (the last micro-batch of an epoch may be short, never empty: ``steps`` x K is at most
-    the shard's batch count)."""
-    idx = shard_indices(n_train, rank, size, args.seed, epoch, shuffle=not args.no_shuffle)
-    b = args.batch_size
-    return [idx[i * b:(i + 1) * b] for i in range(steps * args.backward_passes_per_step)]
 
 
 def _rows(batches: Sequence[np.ndarray]) -> tf.RaggedTensor:
@@ -130,8 +119,8 @@ class Streamed(TfData):
         shape = self.info.input_shape
 
         def load(idx):
-            x, y = tf.numpy_function(lambda i: self.load("train", i), [idx], [tf.float32, tf.int64],
-                                     stateful=True)
+            x, y = tf.numpy_function(lambda i: self.load("train", i), [idx],
+                                     [tf.as_dtype(self.info.input_dtype), tf.int64], stateful=True)
             return tf.ensure_shape(x, [None, *shape]), tf.ensure_shape(y, [None])
 
         options = tf.data.Options()
@@ -149,48 +138,67 @@ def open_data(args: argparse.Namespace, world: World | None, local_size: int) ->
     if isinstance(builtin, FolderData):
         return Streamed(builtin.info, builtin.batch, args, local_size)
     info, splits = startup.every_rank(world, lambda: open_user_data(args))
+    dtype = np.dtype(info.input_dtype)
 
     def load_items(split: str, indices: np.ndarray):
+        """The items' inputs and labels; one that raises or does not match item 0 (shape, kind,
+        label in range) gets a stand-in input (NaN features, zero token ids) and label -1, whose
+        loss is NaN (:func:`tf_models.horovod_keras.sparse_logits_loss`): the step that reads it
+        makes every rank's weights non-finite, and every rank stops there naming it."""
         ds, xs, ys, problem = splits[split], [], [], None
         for i in indices:
             try:
-                image, label = ds[int(i)]
-                xs.append(np.asarray(image, np.float32))
+                x, label = ds[int(i)]
+                x = np.asarray(x)
+                why = user_data.item_problem(args.data, split, int(i), x.shape,
+                                             user_data.input_dtype(x.dtype.kind, x.dtype.itemsize),
+                                             label, info.input_shape, info.input_dtype,
+                                             info.num_classes)
+                if why:
+                    raise ValueError(why)
+                xs.append(x.astype(dtype))
                 ys.append(int(label))
             except Exception as err:
-                problem = problem or (f"item {int(i)} of --data {args.data}'s {split} split raised "
-                                      f"{type(err).__name__}: {err}")
-                xs.append(np.full(info.input_shape, np.nan, np.float32))
-                ys.append(0)
+                problem = problem or (str(err) if isinstance(err, ValueError) and str(err).startswith("item ")
+                                      else f"item {int(i)} of --data {args.data}'s {split} split raised "
+                                           f"{type(err).__name__}: {err}")
+                xs.append(np.full(info.input_shape, np.nan, dtype) if dtype.kind == "f"
+                          else np.zeros(info.input_shape, dtype))
+                ys.append(-1)
         return np.stack(xs), np.array(ys, np.int64), problem
 
     return Streamed(info, load_items, args, local_size)
+
+
+def first_input(spec: str, split: str, ds) -> tuple[tuple[int, ...], str, bool]:
+    """Item 0's input of ``split``: its shape, what it trains as, whether it is an image."""
+    x, _ = user_data.first_item(spec, split, ds)
+    try:
+        array = np.asarray(x)
+    except Exception:
+        array = None
+    if array is None or array.dtype == object:
+        raise UserError(user_data.input_problem(spec, split, "tf", None,
+                                                f"a {type(x).__module__}.{type(x).__qualname__}", None))
+    kind = user_data.input_dtype(array.dtype.kind, array.dtype.itemsize)
+    problem = user_data.input_problem(spec, split, "tf", array.shape, array.dtype, kind)
+    if problem:
+        raise UserError(problem)
+    return tuple(array.shape), kind, kind == user_data.FLOAT and array.ndim == 3
 
 
 def open_user_data(args: argparse.Namespace) -> tuple[DataInfo, dict[str, Any]]:
     """``--data package.module:function`` for Keras: both splits, their first items checked."""
     spec = args.data
     splits = {split: user_data.call(spec, split, "tf") for split in user_data.SPLITS}
-    shapes = {}
-    for split, ds in splits.items():
-        image, _ = user_data.first_item(spec, split, ds)
-        try:
-            array = np.asarray(image)
-        except Exception:
-            array = None
-        if array is None or array.ndim != 3 or not np.issubdtype(array.dtype, np.number):
-            what = (f"an array of shape {array.shape} and type {array.dtype}" if array is not None
-                    else f"a {type(image).__qualname__}")
-            raise UserError(f"--data {spec}: the image of item 0 of its {split} split is {what}; "
-                            f"--framework tf needs [height, width, channels] numbers")
-        shapes[split] = array.shape
-    if shapes["train"] != shapes["test"]:
-        raise UserError(f"--data {spec}: its train images are {shapes['train']}, its test images "
-                        f"{shapes['test']}; give both splits the same shape")
+    firsts = {split: first_input(spec, split, ds) for split, ds in splits.items()}
+    user_data.same_inputs(spec, firsts["train"][:2], firsts["test"][:2])
+    shape, dtype, image = firsts["train"]
     num_classes, classes = user_data.classes(spec, splits["train"])
     n_train, n_test = user_data.sizes(args, spec, splits["train"], splits["test"])
     splits = {"train": _subset(splits["train"], n_train), "test": _subset(splits["test"], n_test)}
-    info = DataInfo(spec, spec, tuple(shapes["train"]), num_classes, classes, n_train, n_test, None)
+    info = DataInfo(spec, spec, shape, num_classes, classes, n_train, n_test, None,
+                    input_dtype=dtype, image=image)
     return info, splits
 
 

@@ -9,14 +9,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from ringtrain.data.dataset import DataInfo
 from tf_models.horovod_keras import sparse_logits_loss
 
 
-def make_batch_sums(net: keras.Model, input_shape: tuple[int, ...]):
-    """``batch_sums(x, y)``: one batch's (test loss sum, correct), traced once; the data
-    (:meth:`tf_models.data.TfData.eval_sums`) runs it over this rank's test share."""
+def make_batch_sums(net: keras.Model, data: DataInfo):
+    """``batch_sums(x, y)``: one batch's (test loss sum, correct), traced once for the data's
+    input shape and dtype; the data (:meth:`tf_models.data.TfData.eval_sums`) runs it over this
+    rank's test share."""
 
-    @tf.function(input_signature=[tf.TensorSpec([None, *input_shape], tf.float32),
+    @tf.function(input_signature=[tf.TensorSpec([None, *data.input_shape], data.input_dtype),
                                   tf.TensorSpec([None], tf.int64)])
     def batch_sums(x, y):
         logits = net(x, training=False)

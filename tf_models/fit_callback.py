@@ -1,4 +1,4 @@
-"""The bridge from Keras' ``model.fit`` to the run's shared bookkeeping (fixed-size TF trainer)."""
+"""The bridge from Keras' ``model.fit`` to the run's shared bookkeeping (fixed-size TF job)."""
 
 from __future__ import annotations
 
@@ -6,31 +6,26 @@ import time
 
 import keras
 
-from ringtrain.training import divergence
 from ringtrain.training.fixed import FixedRun
-from ringtrain.training.world import World
 
 
 class FixedRunCallback(keras.callbacks.Callback):
     """``model.fit``'s hooks, on every rank, handed to the :class:`~ringtrain.training.fixed.FixedRun`
     once per optimizer step, i.e. every K-th of fit's micro-batch steps.
 
-    Before each optimizer step the optimizer gets the step's LR from :meth:`FixedRun.lr`, the LR
-    rule the PyTorch trainer and both elastic loops use (a float32 variable, assigned
-    ``float32(lr_at(...))``; only the K-th micro-batch step applies it).  After it, the weights are
-    checked (identical on every rank: all stop at the same step when they are no longer finite),
-    and the step's mean loss on this rank (from ``sums``, the float64
-    :func:`~tf_models.horovod_keras.loss_sums` metric) goes to :meth:`FixedRun.step_done`; at the
-    epoch's end, this rank's (loss sum, images) and test sums go to :meth:`FixedRun.end_epoch`.
-    The callback reads fit's state and hands it on; it changes nothing of the run's but the LR.
+    Before each optimizer step the optimizer gets the step's LR from :meth:`FixedRun.before_step`,
+    the LR rule the PyTorch trainer and both elastic loops use (a float32 variable, assigned
+    ``float32(lr_at(...))``; only the K-th micro-batch step applies it).  After it, the step's
+    mean loss on this rank (from the run's float64 :func:`~tf_models.horovod_keras.loss_sums`
+    metric) goes to :meth:`FixedRun.after_step`, which checks the weights and reports the step;
+    at the epoch's end, this rank's (loss sum, images) go to :meth:`FixedRun.end_epoch`.  The
+    callback reads fit's state and hands it on; it changes nothing of the run's but the LR.
     """
 
-    def __init__(self, run: FixedRun, sums: keras.metrics.Metric, *, world: World, k: int,
-                 weights_finite, evaluate, problem, sync_statistics, save) -> None:
+    def __init__(self, fixed: FixedRun, sums: keras.metrics.Metric) -> None:
         super().__init__()
-        self.run, self.sums, self.world, self.k = run, sums, world, k
-        self.weights_finite, self.problem, self.sync_statistics = weights_finite, problem, sync_statistics
-        self.evaluate, self.save = evaluate, save
+        self.fixed, self.sums, self.k = fixed, sums, fixed.args.backward_passes_per_step
+        self.shards = fixed.run.shard_size
         self.epoch, self.lr, self.t0, self.seen = 0, 0.0, 0.0, (0.0, 0.0)
 
     def totals(self) -> tuple[float, float]:
@@ -42,7 +37,7 @@ class FixedRunCallback(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None) -> None:
         if batch % self.k == 0:  # the first micro-batch of an optimizer step
-            self.lr = self.run.lr(self.epoch, batch // self.k)
+            self.lr = self.fixed.before_step(self.epoch, batch // self.k)
             self.model.optimizer.learning_rate = self.lr
 
     def on_train_batch_end(self, batch, logs=None) -> None:
@@ -51,14 +46,9 @@ class FixedRunCallback(keras.callbacks.Callback):
         total, count = self.totals()
         step_loss = (total - self.seen[0]) / (count - self.seen[1])
         self.seen = (total, count)
-        if not self.weights_finite():  # identical on every rank: all stop here
-            raise divergence.stop(self.world.gather, self.epoch, (batch + 1) // self.k,
-                                  lambda: step_loss, self.problem())
-        self.run.step_done(self.epoch, (batch + 1) // self.k, loss=step_loss, lr=self.lr,
-                           consumed=int(count) * self.world.size)
+        self.fixed.after_step(self.epoch, (batch + 1) // self.k, loss=step_loss, lr=self.lr,
+                              consumed=int(count) * self.shards)
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         seconds = time.perf_counter() - self.t0
-        self.sync_statistics()  # BatchNorm's statistics, the same on every rank from here
-        self.run.end_epoch(self.epoch, train_sums=list(self.totals()), seconds=seconds, lr=self.lr,
-                           evaluate=self.evaluate, problem=self.problem, save=self.save)
+        self.fixed.end_epoch(self.epoch, train_sums=list(self.totals()), seconds=seconds, lr=self.lr)

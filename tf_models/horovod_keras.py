@@ -46,6 +46,7 @@ from horovod.common.exceptions import HorovodInternalError
 __all__ = [
     "DistributedModel", "ElasticKerasState", "allreduce_gradients", "allreduce_sums",
     "broadcast_variables", "loss_sums", "peer_failures_roll_back", "sparse_logits_loss",
+    "SparseLogitsLoss",
 ]
 
 
@@ -156,8 +157,30 @@ def allreduce_gradients(grads: Sequence[tf.Tensor], *, op=None, fp16: bool = Fal
 
 
 def sparse_logits_loss(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
-    """Per-example cross-entropy from integer labels and logits (PyTorch's ``F.cross_entropy``)."""
-    return keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+    """Per-example cross-entropy from integer labels and logits (PyTorch's ``F.cross_entropy``).
+
+    Label -1 marks an example the data could not deliver (a file that did not decode, an item
+    unlike the others): its loss is NaN, so the step's averaged gradients make every rank's
+    weights non-finite and every rank stops at that step, naming it
+    (:mod:`ringtrain.training.divergence`).  Any other label is the class index, and its loss
+    the same bits as without the mark (``tf.where`` picks it unchanged)."""
+    labels = tf.cast(labels, tf.int64)
+    loss = keras.losses.sparse_categorical_crossentropy(tf.maximum(labels, 0), logits,
+                                                        from_logits=True)
+    return tf.where(labels >= 0, loss, tf.constant(float("nan"), loss.dtype))
+
+
+class SparseLogitsLoss(keras.losses.SparseCategoricalCrossentropy):
+    """``model.fit``'s loss: Keras' sparse cross-entropy from logits, its reduction unchanged,
+    with :func:`sparse_logits_loss`'s mark: a label of -1 gives a NaN loss."""
+
+    def __init__(self) -> None:
+        super().__init__(from_logits=True)
+
+    def call(self, y_true, y_pred):
+        loss = super().call(tf.maximum(y_true, tf.zeros_like(y_true)), y_pred)
+        marked = tf.reshape(y_true, tf.shape(loss)) >= 0
+        return tf.where(marked, loss, tf.constant(float("nan"), loss.dtype))
 
 
 class DistributedModel(keras.Model):

@@ -13,9 +13,10 @@ different draws, so both trainers start from statistically identical networks an
 curves under the shared LR rule are comparable.  (Glorot's dense-layer weights are about twice as
 large, which makes the first steps at the scaled LR noticeably rougher.)
 
-A user's ``package.module:function`` is called as ``function(input_shape=(H, W, C),
-num_classes=N)`` and must return a ``keras.Model`` mapping ``[B, H, W, C]`` to ``[B, N]`` logits
-(see :mod:`ringtrain.model_spec`).
+A user's ``package.module:function`` is called as ``function(input_shape=..., num_classes=N)``
+and must return a ``keras.Model`` mapping ``[B, *input_shape]`` to ``[B, N]`` logits (see
+:mod:`ringtrain.model_spec`): ``input_shape`` is an image's ``(H, W, C)``, or the user's data's own
+shape (a signal's ``(40,)``, a token sequence's ``(32,)`` of int64 ids).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def build_cnn(dropout: float = 0.5, dtype_policy: str | None = None,
 
 
 def build_mlp(dropout: float = 0.5, dtype_policy: str | None = None,
-              input_shape: tuple[int, int, int] = MNIST_SHAPE, num_classes: int = 10) -> keras.Model:
+              input_shape: tuple[int, ...] = MNIST_SHAPE, num_classes: int = 10) -> keras.Model:
     """The MLP, built and returning logits (float32, as :func:`build_cnn`)."""
     policy = dtype_policy or keras.config.dtype_policy().name
     layers = keras.layers
@@ -84,7 +85,7 @@ def build_mlp(dropout: float = 0.5, dtype_policy: str | None = None,
 def build(spec: str, dataset, dropout: float, dtype_policy: str | None = None) -> keras.Model:
     """The ``--model spec`` for ``dataset`` (its :class:`ringtrain.data.dataset.DataInfo`), checked: a bad
     spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
-    model_spec.check_builtin_input(spec, dataset.input_shape)
+    model_spec.check_builtin_input(spec, dataset)
     shape, classes = tuple(dataset.input_shape), dataset.num_classes
     if spec == "cnn":
         model = build_cnn(dropout, dtype_policy, shape, classes)
@@ -94,12 +95,13 @@ def build(spec: str, dataset, dropout: float, dtype_policy: str | None = None) -
         model = model_spec.call_builder(spec, shape, classes)
         if not isinstance(model, keras.Model):
             raise model_spec.wrong_type(spec, model, "tf", "keras.Model")
-    check(spec, model, shape, classes)
+    check(spec, model, shape, classes, dataset.input_dtype)
     return model
 
 
-def check(spec: str, model: keras.Model, shape: tuple[int, ...], num_classes: int) -> None:
-    """One inference call on two zero images (no dropout draws).  Also builds a subclassed
+def check(spec: str, model: keras.Model, shape: tuple[int, ...], num_classes: int,
+          dtype: str = "float32") -> None:
+    """One inference call on two zero inputs (no dropout draws).  Also builds a subclassed
     model's variables before the optimizer and the broadcast need them."""
     model_spec.check_forward(spec, shape, num_classes,
-                             lambda: model(np.zeros((2, *shape), np.float32), training=False))
+                             lambda: model(np.zeros((2, *shape), dtype), training=False))

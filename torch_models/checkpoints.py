@@ -10,18 +10,17 @@ import pickle
 
 import torch
 
-from ringtrain.data.dataset import DataInfo
 from ringtrain.output import checkpoint
+from ringtrain.training.run import RunIdentity
 
 EXT = "pt"
 
 
-def save(path_dir: str, epoch: int, model, optimizer, model_name: str, param_count: int,
-         args: argparse.Namespace, data: DataInfo) -> None:
+def save(path_dir: str, epoch: int, model, optimizer, identity: RunIdentity,
+         args: argparse.Namespace) -> None:
     buf = io.BytesIO()
     torch.save({
-        "meta": checkpoint.metadata("torch", model_name, param_count, epoch,
-                                    checkpoint.config_of(args), data.record()),
+        "meta": checkpoint.metadata(identity, epoch, checkpoint.config_of(args)),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "torch_rng": torch.get_rng_state(),
@@ -41,12 +40,10 @@ def read(path) -> tuple[object, dict]:
     return (state.get("meta") if isinstance(state, dict) else None), state
 
 
-def restore(path_dir: str, model, optimizer, model_name: str, param_count: int,
-            data: DataInfo) -> int:
+def restore(path_dir: str, model, optimizer, identity: RunIdentity) -> int:
     """Restore rank 0's model/optimizer from the newest intact checkpoint of a run on the same
     data; return its epoch (0 if there is none)."""
-    found = checkpoint.restore_newest(path_dir, EXT, read, framework="torch", model=model_name,
-                                      param_count=param_count, data=data.record())
+    found = checkpoint.restore_newest(path_dir, EXT, read, identity)
     if found is None:
         return 0
     epoch, state = found

@@ -33,6 +33,7 @@ from ringtrain.runtime import threads_per_rank
 from ringtrain.training import startup
 from ringtrain.training.evaluation import EVAL_BATCH
 from ringtrain.training.world import World
+from torch_models.model import model_shape
 
 
 def to_tensors(data: ArrayData, images: np.ndarray, labels: np.ndarray, device: torch.device):
@@ -50,10 +51,13 @@ def to_tensors(data: ArrayData, images: np.ndarray, labels: np.ndarray, device: 
 class TorchData:
     """What the trainers read: ``info``; ``epoch(index_batches)``, the batches of this rank's
     shard as ``(x, y)`` on the device; ``eval_sums(model, rank, size)``; ``problem``, the first
-    data problem this rank met."""
+    data problem this rank met; ``bad_batch``, whether the batch ``epoch`` yielded last held an
+    item that could not be read (its step must then poison its loss: see
+    :meth:`torch_models.run.TorchRun.step`)."""
 
     info: DataInfo
     problem: str | None = None
+    bad_batch: bool = False
 
     def epoch(self, index_batches: Sequence[np.ndarray]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         raise NotImplementedError
@@ -117,20 +121,42 @@ class FolderImages(torch.utils.data.Dataset):
 
 
 class Guarded(torch.utils.data.Dataset):
-    """The user's dataset, its items checked: ``(image, label, bad)`` as :class:`FolderImages`."""
+    """The user's dataset, its items checked as they are read: ``(input, label, bad)`` as
+    :class:`FolderImages`, an item that raises or does not match item 0 (shape, kind, label in
+    range) replaced by a stand-in (NaN features, zero token ids) and its index in ``bad``."""
 
-    def __init__(self, ds, shape: tuple[int, int, int]) -> None:
-        self.ds, self.shape = ds, shape
+    def __init__(self, ds, info: DataInfo, spec: str, split: str) -> None:
+        self.ds, self.info, self.spec, self.split = ds, info, spec, split
+        self.shape = model_shape(info)
+        self.dtype = torch.float32 if info.input_dtype == user_data.FLOAT else torch.int64
 
     def __len__(self) -> int:
         return len(self.ds)
 
     def __getitem__(self, i: int):
         try:
-            image, label = self.ds[i]
-            return torch.as_tensor(image, dtype=torch.float32), int(label), -1
+            return (*self.checked(i), -1)
         except Exception:  # the main process reloads it to name the problem
-            return torch.full(self.shape, float("nan")), 0, i
+            fill = torch.full(self.shape, float("nan")) if self.dtype.is_floating_point \
+                else torch.zeros(self.shape, dtype=self.dtype)
+            return fill, 0, i
+
+    def checked(self, i: int) -> tuple[torch.Tensor, int]:
+        """Item ``i`` as the model reads it, or an exception saying why it cannot be."""
+        x, label = self.ds[i]
+        x = torch.as_tensor(x)
+        problem = user_data.item_problem(
+            self.spec, self.split, i, tuple(x.shape), _kind(x.dtype), label, self.shape,
+            self.info.input_dtype, self.info.num_classes)
+        if problem:
+            raise ValueError(problem)
+        return x.to(self.dtype), int(label)
+
+
+def _kind(dtype: torch.dtype) -> str | None:
+    """What a tensor of ``dtype`` trains as (:func:`ringtrain.data.user_data.input_dtype`)."""
+    probe = torch.empty((), dtype=dtype).numpy().dtype if dtype != torch.bfloat16 else np.dtype("f4")
+    return user_data.input_dtype(probe.kind, probe.itemsize)
 
 
 class ShardBatches(torch.utils.data.Sampler):
@@ -183,7 +209,8 @@ class Streamed(TorchData):
 
     def _batches(self, loader, split: str):
         for x, y, bad in loader:
-            if self.problem is None and int(bad.max()) >= 0:
+            self.bad_batch = int(bad.max()) >= 0
+            if self.problem is None and self.bad_batch:
                 self.problem = self.reload(split, int(bad[bad >= 0][0]))
             yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
@@ -216,44 +243,50 @@ def open_data(args: argparse.Namespace, world: World | None, device: torch.devic
 
     def reload_user(split: str, i: int) -> str:
         try:
-            (train if split == "train" else test)[i]
+            (train_items if split == "train" else test_items).checked(i)
         except Exception as err:
+            if isinstance(err, ValueError) and str(err).startswith("item "):
+                return str(err)
             return f"item {i} of --data {args.data}'s {split} split raised {type(err).__name__}: {err}"
         return f"item {i} of --data {args.data}'s {split} split failed in a worker"
 
-    shape = tuple(channels_first(info.input_shape))
-    return Streamed(info, Guarded(train, shape), Guarded(test, shape), reload=reload_user, args=args,
-                    device=device, local_size=local_size)
+    train_items, test_items = (Guarded(train, info, args.data, "train"),
+                               Guarded(test, info, args.data, "test"))
+    return Streamed(info, train_items, test_items, reload=reload_user, args=args, device=device,
+                    local_size=local_size)
 
 
-def channels_first(shape: tuple[int, int, int]) -> tuple[int, int, int]:
-    height, width, channels = shape
-    return channels, height, width
+def first_input(spec: str, split: str, ds) -> tuple[tuple[int, ...], str, bool]:
+    """Item 0's input of ``split``: its shape, what it trains as, whether it is an image."""
+    x, _ = user_data.first_item(spec, split, ds)
+    try:
+        tensor = torch.as_tensor(x)
+    except Exception:
+        tensor = None
+    if tensor is None:
+        raise UserError(user_data.input_problem(spec, split, "torch", None,
+                                                f"a {type(x).__module__}.{type(x).__qualname__}", None))
+    kind = _kind(tensor.dtype)
+    problem = user_data.input_problem(spec, split, "torch", tuple(tensor.shape), tensor.dtype, kind)
+    if problem:
+        raise UserError(problem)
+    return tuple(tensor.shape), kind, kind == user_data.FLOAT and tensor.dim() == 3
 
 
 def open_user_data(args: argparse.Namespace) -> tuple[DataInfo, Any, Any]:
     """``--data package.module:function`` for PyTorch: both splits, their first items checked."""
     spec = args.data
     splits = {split: user_data.call(spec, split, "torch") for split in user_data.SPLITS}
-    shapes = {}
-    for split, ds in splits.items():
-        image, _ = user_data.first_item(spec, split, ds)
-        if not isinstance(image, torch.Tensor) or image.dim() != 3 or not image.is_floating_point():
-            what = (f"a {tuple(image.shape)} {image.dtype} tensor" if isinstance(image, torch.Tensor)
-                    else f"a {type(image).__module__}.{type(image).__qualname__}")
-            raise UserError(f"--data {spec}: the image of item 0 of its {split} split is {what}; "
-                            f"--framework torch needs a float tensor [channels, height, width] "
-                            f"(e.g. a torchvision transform ending in ToTensor())")
-        shapes[split] = tuple(image.shape)
-    if shapes["train"] != shapes["test"]:
-        raise UserError(f"--data {spec}: its train images are {shapes['train']}, its test images "
-                        f"{shapes['test']}; give both splits the same shape")
+    firsts = {split: first_input(spec, split, ds) for split, ds in splits.items()}
+    user_data.same_inputs(spec, firsts["train"][:2], firsts["test"][:2])
+    shape, dtype, image = firsts["train"]
     num_classes, classes = user_data.classes(spec, splits["train"])
-    channels, height, width = shapes["train"]
     train, test = splits["train"], splits["test"]
     n_train, n_test = user_data.sizes(args, spec, train, test)
     train, test = _subset(train, n_train), _subset(test, n_test)
-    info = DataInfo(spec, spec, (height, width, channels), num_classes, classes, n_train, n_test, None)
+    # DataInfo keeps an image channels last, as both frameworks' summaries and checkpoints do.
+    info = DataInfo(spec, spec, (*shape[1:], shape[0]) if image else shape, num_classes, classes,
+                    n_train, n_test, None, input_dtype=dtype, image=image)
     return info, train, test
 
 

@@ -18,11 +18,6 @@ def weights_total(model) -> torch.Tensor:
         return torch.stack([p.sum(dtype=torch.float64) for p in model.parameters()]).sum()
 
 
-def weights_finite(model) -> bool:
-    """Whether every parameter is a finite number."""
-    return math.isfinite(float(weights_total(model)))
-
-
 class FiniteWatch:
     """After each optimizer step, ``step(tag)`` returns the tag of the step after which the
     weights stopped being finite numbers, or None; the answer is the same on every rank, since

@@ -7,12 +7,15 @@ large enough to pass 99% test accuracy in a few epochs.
 
 ``mlp``: flatten -> dense 128 -> ReLU -> dropout -> dense (logits): 101,770 parameters on MNIST.
 
-A user's ``package.module:function`` is called as ``function(input_shape=(C, H, W),
-num_classes=N)`` and must return a ``torch.nn.Module`` mapping ``[B, C, H, W]`` to ``[B, N]``
-logits (see :mod:`ringtrain.model_spec`).
+A user's ``package.module:function`` is called as ``function(input_shape=..., num_classes=N)``
+and must return a ``torch.nn.Module`` mapping ``[B, *input_shape]`` to ``[B, N]`` logits (see
+:mod:`ringtrain.model_spec`): ``input_shape`` is an image's ``(C, H, W)``, or the user's data's
+own shape (a signal's ``(40,)``, a token sequence's ``(32,)`` of int64 ids).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +30,13 @@ def channels_first(shape: tuple[int, int, int]) -> tuple[int, int, int]:
     """The dataset's (height, width, channels) as PyTorch's (channels, height, width)."""
     height, width, channels = shape
     return channels, height, width
+
+
+def model_shape(info) -> tuple[int, ...]:
+    """One example's shape as PyTorch models read it (``info`` a
+    :class:`ringtrain.data.dataset.DataInfo`): an image's channels first, other inputs as they
+    arrive."""
+    return channels_first(info.input_shape) if info.image else tuple(info.input_shape)
 
 
 class MnistCNN(nn.Module):
@@ -48,11 +58,10 @@ class MnistCNN(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dropout: float = 0.5, input_shape: tuple[int, int, int] = MNIST_SHAPE,
+    def __init__(self, dropout: float = 0.5, input_shape: tuple[int, ...] = MNIST_SHAPE,
                  num_classes: int = 10) -> None:
         super().__init__()
-        channels, height, width = input_shape
-        self.fc1 = nn.Linear(channels * height * width, 128)
+        self.fc1 = nn.Linear(math.prod(input_shape), 128)
         self.fc2 = nn.Linear(128, num_classes)
         self.dropout = nn.Dropout(dropout)
 
@@ -66,19 +75,20 @@ BUILTIN = {"cnn": MnistCNN, "mlp": MLP}
 def build(spec: str, dataset, dropout: float) -> nn.Module:
     """The ``--model spec`` for ``dataset`` (its :class:`ringtrain.data.dataset.DataInfo`), checked: a bad
     spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
-    model_spec.check_builtin_input(spec, dataset.input_shape)
-    shape = channels_first(dataset.input_shape)
+    model_spec.check_builtin_input(spec, dataset)
+    shape = model_shape(dataset)
     if spec in BUILTIN:
         model = BUILTIN[spec](dropout, shape, dataset.num_classes)
     else:
         model = model_spec.call_builder(spec, shape, dataset.num_classes)
         if not isinstance(model, nn.Module):
             raise model_spec.wrong_type(spec, model, "torch", "torch.nn.Module")
-    check(spec, model, shape, dataset.num_classes)
+    check(spec, model, shape, dataset.num_classes, getattr(torch, dataset.input_dtype))
     return model
 
 
-def check(spec: str, model: nn.Module, shape: tuple[int, ...], num_classes: int) -> None:
+def check(spec: str, model: nn.Module, shape: tuple[int, ...], num_classes: int,
+          dtype: torch.dtype = torch.float32) -> None:
     """One forward pass of two zero images in eval mode (no dropout draws, so the random state is
     untouched).  Also materialises lazy modules before the optimizer and the broadcast see the
     parameters."""
@@ -86,6 +96,7 @@ def check(spec: str, model: nn.Module, shape: tuple[int, ...], num_classes: int)
     model.eval()
     try:
         with torch.no_grad():
-            model_spec.check_forward(spec, shape, num_classes, lambda: model(torch.zeros(2, *shape)))
+            model_spec.check_forward(spec, shape, num_classes,
+                                     lambda: model(torch.zeros(2, *shape, dtype=dtype)))
     finally:
         model.train(was_training)

@@ -77,17 +77,22 @@ class Normalization:
 class DataInfo:
     spec: str  # --data as given
     name: str  # in summaries and the built-in models' names ("mnist-cnn-v1")
-    input_shape: tuple[int, int, int]  # one example, channels last: (height, width, channels)
+    # One example's shape: an image's channels last, (height, width, channels); any other input
+    # (the user's own data: signals, rows, token ids) as its items arrive.
+    input_shape: tuple[int, ...]
     num_classes: int
     classes: tuple[str, ...] | None  # the class names, where the data has them
-    train_size: int  # images this run trains on (after --train-samples)
+    train_size: int  # examples this run trains on (after --train-samples)
     test_size: int
     normalization: Normalization | None  # None: the user's data arrives normalised
+    input_dtype: str = "float32"  # "int64" for token ids
+    image: bool = True  # an image (height, width, channels): what the built-in CNN reads
 
     def record(self) -> dict[str, Any]:
         """What summaries and checkpoints keep (plain types only)."""
         norm = self.normalization
         return {"spec": self.spec, "input_shape": list(self.input_shape),
+                "input_dtype": self.input_dtype, "image": self.image,
                 "num_classes": self.num_classes,
                 "classes": list(self.classes) if self.classes is not None else None,
                 "train_size": self.train_size, "test_size": self.test_size,

@@ -24,13 +24,22 @@ import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ringtrain.errors import UserError
 from ringtrain.faults import termination
 from ringtrain.output.files import atomic_write_bytes
 
 FORMAT_VERSION = 1
+
+
+class Identity(Protocol):
+    """What a checkpoint says it holds (:class:`ringtrain.training.run.RunIdentity` is one)."""
+
+    framework: str
+    model_name: str
+    param_count: int
+    data: Any  # a DataInfo
 _NAME = re.compile(r"^ckpt-epoch(\d{4,})\.(\w+)$")
 
 
@@ -105,8 +114,7 @@ def check_archive(path: Path) -> None:
 
 
 def restore_newest(directory: str | os.PathLike, ext: str, read: Callable[[Path], tuple[Any, Any]],
-                   *, framework: str, model: str, param_count: int,
-                   data: dict[str, Any] | None = None) -> tuple[int, Any] | None:
+                   identity: Identity) -> tuple[int, Any] | None:
     """``(epoch, payload)`` of the newest usable checkpoint, or None when the folder has none.
 
     ``read(path)`` returns ``(metadata, payload)``; it raises :class:`Damaged` for an incomplete
@@ -121,7 +129,8 @@ def restore_newest(directory: str | os.PathLike, ext: str, read: Callable[[Path]
         except Damaged as err:
             damaged.append((path, err))
             continue
-        epoch = check_metadata(meta, path, framework, model, param_count, data)
+        epoch = check_metadata(meta, path, identity.framework, identity.model_name,
+                               identity.param_count, identity.data.record())
         if damaged:
             which = "; ".join(f"{p.name} is damaged ({err})" for p, err in damaged)
             sys.stderr.write(f"warning: checkpoint {which}; resuming from {path.name}, the newest "
@@ -174,12 +183,13 @@ def config_of(args) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k not in ("resume", "no_progress")}
 
 
-def metadata(framework: str, model: str, param_count: int, epoch: int, config: dict[str, Any],
-             data: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Plain types only (``torch.load(weights_only=True)`` reads nothing else); ``data`` is the
-    run's :meth:`ringtrain.data.dataset.DataInfo.record`."""
-    return {"format_version": FORMAT_VERSION, "framework": framework, "model": model,
-            "param_count": param_count, "epoch": epoch, "config": config, "data": data}
+def metadata(identity: Identity, epoch: int, config: dict[str, Any]) -> dict[str, Any]:
+    """Plain types only (``torch.load(weights_only=True)`` reads nothing else): the run's
+    identity (framework, model, size, its data's :meth:`~ringtrain.data.dataset.DataInfo.record`),
+    the epoch and the flags."""
+    return {"format_version": FORMAT_VERSION, "framework": identity.framework,
+            "model": identity.model_name, "param_count": identity.param_count, "epoch": epoch,
+            "config": config, "data": identity.data.record()}
 
 
 # What checkpoints written before --data existed were trained on.

@@ -4,8 +4,8 @@ weights is written.
 
 Each rank sees only its own loss, but a NaN or inf in one rank's loss reaches every rank's weights
 in the same step: the gradient average carries it.  So the decision is taken on the weights, which
-are identical on every rank (the trainers' ``weights_finite`` sums them, a NaN or inf anywhere
-makes the sum one), and every rank stops at the same step; only then do they learn, in one
+are identical on every rank (the run object's ``diverged`` check reads them: a NaN or inf anywhere
+makes it non-finite), and every rank stops at the same step; only then do they learn, in one
 allgather, which ranks' losses were not finite, and why.  A file of the training data that does
 not decode is read as a NaN image for exactly this reason: the rank that met it alone knows, and
 this way every rank stops with it.  A step that mixed precision skips (its scaled gradients
@@ -44,6 +44,16 @@ def stop(gather: Gather, epoch: int, step: int, local_loss: Callable[[], float],
                      f"sqrt), or look for NaN/inf values in the data")
 
 
+def stop_if(diverged: tuple[int, int, object] | None, gather: Gather,
+            local_problem: str | None) -> None:
+    """Raise :func:`stop`'s error for ``diverged``, a run object's (epoch, step, this rank's loss
+    of the step: a number or a callable that reads it) tag of the step after which the weights
+    stopped being finite, on every rank alike; nothing when it is None."""
+    if diverged:
+        epoch, step, loss = diverged
+        raise stop(gather, epoch, step, loss if callable(loss) else (lambda: loss), local_problem)
+
+
 def data_problem(gather: Gather, local_problem: str | None, when: str) -> UserError:
     """The error every rank raises when the world's sum says some rank met a data problem."""
     problems = [(rank, p) for rank, p in enumerate(gather(local_problem, "data_problems")) if p]
@@ -53,5 +63,5 @@ def data_problem(gather: Gather, local_problem: str | None, when: str) -> UserEr
 def data_error(problems: list[tuple[int, str]], when: str) -> UserError:
     rank, problem = problems[0]
     more = f"; {len(problems) - 1} more rank(s) met one too" if len(problems) > 1 else ""
-    return UserError(f"{problem}: met by rank {rank} {when}{more}. Fix or remove it (images are "
+    return UserError(f"{problem}: met by rank {rank} {when}{more}. Fix or remove it (items are "
                      f"read as they are trained on, so a bad one stops the run when it is reached)")

@@ -4,21 +4,17 @@ Horovod's elastic mode (``horovodrun --min-np/--max-np --host-discovery-script``
 training function whenever workers leave or join.  The trainer must then know three things that a
 fixed job gets for free: that it really runs under an elastic launcher, where in the epoch the job
 is (one integer, see :func:`ringtrain.data.sharding.remaining_shard`), and the LR for the new world
-size.  The loop itself (:func:`train_world`) is shared by both frameworks; each hands in its
-:class:`FrameworkOps`.
+size.  The loop itself (:func:`train_world`) is shared by both frameworks; each hands in its run
+object (:class:`ringtrain.training.run.FrameworkRun`).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
-
-from ringtrain.data.dataset import DataInfo
 from ringtrain.data.sharding import optimizer_steps, remaining_shard
 from ringtrain.errors import UserError
 from ringtrain.faults import watchdog
@@ -28,7 +24,7 @@ from ringtrain.output.progress import Progress
 from ringtrain.output.summary import EpochRecord, Summary
 from ringtrain.training import divergence, summaries
 from ringtrain.training.evaluation import exact_test_metrics
-from ringtrain.training.world import World
+from ringtrain.training.run import FrameworkRun
 
 LAUNCH_HINT = ("horovodrun -np 2 --min-np 1 --max-np 4 --host-discovery-script "
                "launch/discover_hosts.sh python -m launch.torch_mnist --elastic")
@@ -68,7 +64,7 @@ def epoch_progress(epoch: int, consumed: int, num_samples: int, world_size: int,
     return epoch - 1 + min(consumed / (per_step * max(steps, 1)), 1.0)
 
 
-# --- the loop both frameworks run inside hvd.elastic.run ---------------------------------------
+# --- the loop both frameworks run in every world of the job ---------------------------------------
 
 def initial_state(start_epoch: int = 0) -> dict[str, Any]:
     """The plain-Python part of an elastic job's committed state (the framework's State object
@@ -78,40 +74,26 @@ def initial_state(start_epoch: int = 0) -> dict[str, Any]:
             "records": [], "resizes": []}
 
 
-class FrameworkOps(NamedTuple):
-    """What the shared loop needs from a framework, for the current world."""
-
-    batches: Callable[[Sequence[np.ndarray]], Iterator[Any]]  # index batches -> their data
-    step: Callable[[Any, float], tuple[float, int]]  # (one step's batch, lr) -> (loss sum, images)
-    eval_sums: Callable[[], Sequence[float]]  # this rank's test (loss sum, correct, count, problems)
-    problem: Callable[[], str | None]  # the first data problem this rank met
-    sync_buffers: Callable[[], None]  # BatchNorm's statistics averaged over ranks (a collective)
-    save_checkpoint: Callable[[int], None]  # rank 0, after each epoch
-    weights_finite: Callable[[], bool]  # every parameter a finite number (identical on all ranks)
-    parameters: Callable[[], Iterable[np.ndarray]]  # for the checksums at the end
-
-
-def train_world(state, args, world: World, ops: FrameworkOps, *, data: DataInfo, framework: str,
-                versions: dict[str, str], param_count: int) -> Summary:
+def train_world(state, run: FrameworkRun) -> Summary:
     """One world of an elastic job, from ``state``'s committed position to the end of the run.
 
     Called again after every membership change, with ``state`` restored to its last commit and
-    synced from rank 0: everything that depends on the world size is derived here, from
-    ``world``, never carried over.
+    synced from rank 0, and ``run.world`` the new world: everything that depends on the world
+    size is derived here, from it, never carried over.
     """
+    args, world, data = run.args, run.world, run.identity.data
     progress = Progress(args, world.rank, data.train_size)
-    test = run_epochs(state, args, world, progress, ops, data.train_size)
-    summary = summaries.new_summary(args, world, framework=framework, versions=versions,
-                                    param_count=param_count, data=data,
+    test = run_epochs(state, run, progress)
+    summary = summaries.new_summary(args, world, run.identity,
                                     **summary_fields(state, args, world.size))
     return summaries.finish(world, progress, args, summary, test=test,
                             train_seconds=state.train_seconds, images_seen=state.images_seen,
-                            params=ops.parameters())
+                            params=run.parameters())
 
 
-def run_epochs(state, args, world: World, progress: Progress, ops: FrameworkOps,
-               n_train: int) -> tuple[float, float]:
+def run_epochs(state, run: FrameworkRun, progress: Progress) -> tuple[float, float]:
     """Train from ``state``'s position to the last epoch; return the final (test loss, accuracy)."""
+    args, world, n_train = run.args, run.world, run.identity.data.train_size
     k, batch = args.backward_passes_per_step, args.batch_size
     watchdog.new_world(world.rank, world.size)  # the job re-formed: progress, with a new rank
     target_lr = scaled_lr(args.base_lr, world.size, args.lr_scaling)
@@ -121,40 +103,42 @@ def run_epochs(state, args, world: World, progress: Progress, ops: FrameworkOps,
         progress.info(f"elastic: {world.size} worker(s) from epoch {state.epoch}, sample "
                       f"{state.consumed}/{n_train}: lr {args.base_lr:g} -> {target_lr:g}, "
                       f"global batch {batch * world.size * k}")
+    run.take_loss_sum()  # what steps rolled back by a re-form added is not the committed state's
     result = None
     while state.epoch <= args.epochs:
         epoch = state.epoch
+        # Horovod: shard: the rest of the epoch's order, strided over the ranks of this world.
         shard = remaining_shard(n_train, state.consumed, world.rank, world.size, args.seed, epoch,
                                 shuffle=not args.no_shuffle)
         steps = optimizer_steps(len(shard), 1, batch, k, strict=False)  # the fixed count, for the rest
         if args.max_steps:
             steps = max(0, min(steps, args.max_steps - state.epoch_steps))
-        done_before, pending, lr = state.epoch_steps, [0.0, 0.0], target_lr
-        batches = ops.batches([shard[s * batch * k:][:batch * k] for s in range(steps)])
+        done_before, pending, lr = state.epoch_steps, 0, target_lr
+        batches = run.batches([shard[s * batch * k:][:batch * k] for s in range(steps)])
         for step in range(steps):
             lr = lr_at(epoch_progress(epoch, state.consumed, n_train, world.size, batch, k,
                                       args.max_steps),
                        args.base_lr, target_lr, args.warmup_epochs, args.epochs, args.lr_decay)
-            loss_sum, used = ops.step(next(batches), lr)
-            if not ops.weights_finite():  # identical on every rank: all stop here
-                raise divergence.stop(world.gather, epoch, state.epoch_steps + 1,
-                                      lambda s=loss_sum, n=used: s / max(n, 1), ops.problem())
-            pending = [pending[0] + loss_sum, pending[1] + used]
+            loss, used = run.step(next(batches), lr)
+            divergence.stop_if(run.diverged((epoch, state.epoch_steps + 1, loss)), world.gather,
+                              run.problem)
+            pending += used
             state.consumed += used * world.size  # a strided prefix per rank is a prefix of the order
             state.epoch_steps += 1
             watchdog.progress(step=True)  # watchdog: a step completed, its allreduce included
-            progress.step(epoch, state.epoch_steps, done_before + steps, loss=loss_sum / max(used, 1),
-                          lr=lr, consumed=state.consumed)
+            progress.step(epoch, state.epoch_steps, done_before + steps, loss=loss, lr=lr,
+                          consumed=state.consumed)
             if (step + 1) % args.commit_every == 0 and step + 1 < steps:
-                pending = _fold(state, pending, world)
+                pending = _fold(state, run, pending)
                 state.commit()
-        _fold(state, pending, world)
-        ops.sync_buffers()
-        test = exact_test_metrics(world, ops.eval_sums(), ops.problem(), epoch)
+        divergence.stop_if(run.flush_diverged(), world.gather, run.problem)
+        _fold(state, run, pending)
+        run.sync_buffers()
+        test = exact_test_metrics(world, run.eval_sums(), run.problem, epoch)
         rec = EpochRecord.of(epoch, loss_sum=state.loss_sum[0], images=state.loss_sum[1], test=test,
                              lr=lr, seconds=time.time() - state.epoch_started)
         progress.epoch(rec)
-        checkpoint.save_if_due(args, world.rank, epoch, ops.save_checkpoint)
+        checkpoint.save_if_due(args, world.rank, epoch, run.save)
         state.records.append(asdict(rec))
         state.train_seconds += rec.seconds
         state.images_seen += state.loss_sum[1]
@@ -165,7 +149,7 @@ def run_epochs(state, args, world: World, progress: Progress, ops: FrameworkOps,
     if result is None:
         last = state.records[-1] if state.records else None
         result = ((last["test_loss"], last["test_accuracy"]) if last
-                  else exact_test_metrics(world, ops.eval_sums()))
+                  else exact_test_metrics(world, run.eval_sums()))
     return result
 
 
@@ -179,9 +163,9 @@ def summary_fields(state, args, world_size: int) -> dict[str, Any]:
             "elastic_resizes": list(state.resizes)}
 
 
-def _fold(state, pending: list[float], world: World) -> list[float]:
+def _fold(state, run: FrameworkRun, pending_images: int) -> int:
     """Add every rank's loss since the last commit to the committed epoch total (a collective, so
-    the epoch's train loss survives ranks that leave); return the emptied pending sums."""
-    total = world.sum(pending, "elastic_sums")
+    the epoch's train loss survives ranks that leave); return the emptied pending count."""
+    total = run.world.sum([run.take_loss_sum(), pending_images], "elastic_sums")
     state.loss_sum = [state.loss_sum[0] + total[0], state.loss_sum[1] + total[1]]
-    return [0.0, 0.0]
+    return 0

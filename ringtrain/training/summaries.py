@@ -9,17 +9,18 @@ from typing import Any
 
 import numpy as np
 
-from ringtrain.data.dataset import DataInfo
 from ringtrain.output.progress import Progress
 from ringtrain.output.summary import Summary, param_checksum
+from ringtrain.training.run import RunIdentity
 from ringtrain.training.world import World
 
 
-def new_summary(args: argparse.Namespace, world: World, *, framework: str, versions: dict[str, str],
-                param_count: int, data: DataInfo, **fields: Any) -> Summary:
-    return Summary(framework=framework, versions=versions, controller=world.controller,
-                   param_count=param_count, model=args.model, dataset=data.name,
-                   data=data.record(), **fields)
+def new_summary(args: argparse.Namespace, world: World, identity: RunIdentity,
+                **fields: Any) -> Summary:
+    return Summary(framework=identity.framework, versions=dict(identity.versions),
+                   controller=world.controller, param_count=identity.param_count,
+                   model=identity.model, dataset=identity.data.name, data=identity.data.record(),
+                   **fields)
 
 
 def finish(world: World, progress: Progress, args: argparse.Namespace, summary: Summary, *,

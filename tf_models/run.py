@@ -1,0 +1,176 @@
+"""A TensorFlow/Keras 3 run through Horovod's Keras API: the run object the shared loops drive.
+
+:class:`KerasRun` opens the run once, in the order it happens, every Horovod line marked
+``# Horovod:``.  A fixed-size job is Horovod's own Keras recipe (its
+``tensorflow2_keras_mnist.py``), on the Horovod that ``make setup`` patches for Keras 3:
+``hvd.DistributedOptimizer`` averages the gradients, ``BroadcastGlobalVariablesCallback`` hands
+rank 0's weights and optimizer state to every rank when training begins, and ``model.fit`` runs
+the steps (:meth:`KerasRun.fit`), reporting each optimizer step and epoch to the shared
+:class:`~ringtrain.training.fixed.FixedRun` through :class:`~tf_models.fit_callback.FixedRunCallback`.
+With ``--backward-passes-per-step K`` fit runs K micro-batch steps of B rows per optimizer step
+(each loss weighted 1/K; the wrapper sums their gradients locally and allreduces on the K-th).
+Train loss comes from :func:`~tf_models.horovod_keras.loss_sums` (float64 sums allreduced at the
+epoch's end, exact over ranks), not from Horovod's ``MetricAverageCallback``, which averages the
+ranks' averages.
+
+An elastic job's loop must stop, commit and roll back between any two optimizer steps, so it
+calls :meth:`KerasRun.step` itself: :class:`~tf_models.horovod_keras.DistributedModel`'s train
+step (K micro-batches, one allreduce, one update), whose gradients equal the fixed job's bit for
+bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import horovod.tensorflow as hvd
+import horovod.tensorflow.keras as hvd_keras
+import keras
+import numpy as np
+import tensorflow as tf
+
+from ringtrain.data import dataset as datasets
+from ringtrain.optimizer_options import distributed_optimizer_options
+from ringtrain.output.progress import Loss
+from ringtrain.runtime import before_init
+from ringtrain.training import startup
+from ringtrain.training.fixed import FixedRun
+from ringtrain.training.run import FrameworkRun, RunIdentity, StepTag
+from ringtrain.training.world import World
+from tf_models import checkpoints, devices
+from tf_models.collectives import COLLECTIVES, VERSIONS, average_statistics
+from tf_models.data import open_data
+from tf_models.evaluation import make_batch_sums, make_weights_finite, parameters
+from tf_models.fit_callback import FixedRunCallback
+from tf_models.horovod_keras import DistributedModel, SparseLogitsLoss, loss_sums
+from tf_models.model import build
+
+
+class KerasRun(FrameworkRun):
+    """One rank's Keras run.  ``elastic``: a worker of an elastic job, which issues no collective
+    while it opens (its data opened alone, rank 0 alone checks the folders and restores), trains
+    through :class:`DistributedModel` and gets rank 0's state from Horovod's elastic state."""
+
+    def __init__(self, args: argparse.Namespace, *, elastic: bool = False) -> None:
+        self.args, self.elastic, k = args, elastic, args.backward_passes_per_step
+        before_init(args.stall_timeout)
+        # Horovod: initialise; from here on every rank knows its rank and the world size.
+        hvd.init()
+        # Horovod: pin this rank to its share of the host's cores and to GPU local_rank (if any).
+        use_gpu = devices.configure(hvd.local_rank(), hvd.local_size())
+        self.world = startup.begin(args, hvd, COLLECTIVES, use_gpu=use_gpu, elastic=elastic)
+        together = None if elastic else self.world  # who opens together, with collectives
+        # Horovod: this host's rank count sizes the data's decoding threads (--data).
+        self.data = open_data(args, together, hvd.local_size())
+        if not elastic:
+            datasets.check_world(args, self.data.info, self.world.size)
+        # Different seeds per rank on purpose: the broadcast, not luck, makes ranks agree.
+        keras.utils.set_random_seed(args.seed + self.world.rank)
+        self.net = build(args.model, self.data.info, args.dropout,
+                         "mixed_float16" if args.amp else None)  # checked on every rank
+        self.identity = RunIdentity.of(args, "tf", VERSIONS, self.data.info, self.net.count_params())
+        if together or self.world.rank == 0:
+            startup.check_output_folders(together, args, self.identity.param_count)
+
+        # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
+        lr = self.target_lr if not elastic else args.base_lr  # elastic: set per step, per world
+        optimizer = keras.optimizers.SGD(learning_rate=lr, momentum=args.momentum)
+        if elastic:
+            self.optimizer = optimizer
+            optimizer.build(self.net.trainable_variables)
+            self.start_epoch = self.restore() if args.resume and self.world.rank == 0 else 0
+            # Horovod: wrap the model: its train step averages the gradients over all ranks.
+            self.model = DistributedModel(
+                self.net, backward_passes_per_step=k, micro_batch_size=args.batch_size,
+                fp16_allreduce=args.fp16_allreduce,
+                gradient_predivide_factor=args.gradient_predivide_factor)
+            self.model.compile(optimizer=optimizer)
+        else:
+            if args.amp:  # wrapped inside: the loss-scale skip is decided on allreduced gradients
+                optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+            # Horovod: wrap the optimizer: gradients are averaged over all ranks (allreduce) every
+            # K-th micro-batch step, after summing the K locally.
+            optimizer = hvd_keras.DistributedOptimizer(optimizer, **distributed_optimizer_options(args, hvd))
+            self.optimizer = optimizer
+            optimizer.build(self.net.trainable_variables)  # slots exist: checkpoints, broadcast
+            self.start_epoch = startup.resume_epoch(self.world, args, self.restore)
+            if self.start_epoch >= args.epochs:  # resumed at the end: no fit, so no fit broadcast
+                # Horovod: broadcast rank 0's weights and optimizer state: every rank evaluates them.
+                hvd.broadcast_variables([*self.net.weights, *optimizer.variables], root_rank=0)
+            self.sums = loss_sums()
+            # Each micro-batch's loss weighs 1/K, so the K summed gradients are their mean, as in
+            # the PyTorch trainer (loss / K) and for every op: Horovod's own
+            # average_aggregated_gradients refuses Adasum.  XLA off: this Horovod build has no XLA
+            # kernels (Keras turns it on on GPUs).
+            self.net.compile(optimizer=optimizer,
+                             loss=SparseLogitsLoss(),
+                             loss_weights=1.0 / k, metrics=[self.sums], jit_compile=False)
+        self.batch_sums = make_batch_sums(self.net, self.data.info)
+        self.weights_finite = make_weights_finite(self.net)
+        self.loss_sum = 0.0
+
+    def new_world(self) -> World:
+        """After an elastic re-form: this rank's new :class:`World`, and the train step traced
+        anew: the gradient exchange is decided at trace time (a world of one issues no
+        allreduce), so a step traced for one worker must not run with two."""
+        self.world = World(hvd, COLLECTIVES)
+        self.train_step = tf.function(self.model.train_step, jit_compile=False)
+        return self.world
+
+    # --- the fixed job: model.fit runs the steps ------------------------------------------------
+
+    def fit(self, fixed: FixedRun) -> None:
+        b, k = self.args.batch_size, self.args.backward_passes_per_step
+        # fit takes one micro-batch per call of its train step: K per optimizer step.
+        micro = [step[m * b:(m + 1) * b] for epoch in fixed.epochs()
+                 for step in fixed.index_batches(epoch) for m in range(k)]
+        # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) as fit begins.
+        callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+                     FixedRunCallback(fixed, self.sums)]
+        self.net.fit(self.data.fit_dataset(micro), epochs=self.args.epochs,
+                     initial_epoch=fixed.start_epoch, steps_per_epoch=fixed.steps * k,
+                     shuffle=False, verbose=0, callbacks=callbacks)
+
+    # --- an elastic job: the shared loop runs the steps -----------------------------------------
+
+    def batches(self, steps):
+        return self.data.batches(steps)
+
+    def step(self, batch, lr: float) -> tuple[Loss, int]:
+        x, y = batch
+        self.optimizer.learning_rate = lr
+        self.model.loss_tracker.reset_state()
+        self.train_step((tf.constant(x), tf.constant(y)))
+        total = float(self.model.loss_tracker.total.numpy())
+        self.loss_sum += total
+        return total / max(len(y), 1), len(y)
+
+    def take_loss_sum(self) -> float:
+        total, self.loss_sum = self.loss_sum, 0.0
+        return total
+
+    def diverged(self, tag: StepTag) -> StepTag | None:
+        return None if self.weights_finite() else tag
+
+    # --- the epoch's end and the run's -------------------------------------------------------------
+
+    @property
+    def problem(self) -> str | None:
+        return self.data.problem
+
+    def sync_buffers(self) -> None:
+        average_statistics(self.net)
+
+    def eval_sums(self) -> list[float]:
+        return self.data.eval_sums(self.batch_sums, self.world.rank, self.world.size)
+
+    def save(self, epoch: int) -> None:
+        checkpoints.save(self.args.checkpoint_dir, epoch, self.net, self.optimizer, self.identity,
+                         self.args)
+
+    def restore(self) -> int:
+        return checkpoints.restore(self.args.checkpoint_dir, self.net, self.optimizer, self.identity)
+
+    def parameters(self) -> list[np.ndarray]:
+        return parameters(self.net)
+

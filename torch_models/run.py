@@ -1,0 +1,163 @@
+"""A PyTorch run through ``horovod.torch``: the run object the shared loops drive.
+
+:class:`TorchRun` opens the run once, in the order it happens, every Horovod line marked
+``# Horovod:`` (Horovod's own ``examples/pytorch/pytorch_mnist.py`` has the same handful):
+initialise, pin the rank to its cores and GPU, scale the LR, wrap the optimizer, broadcast rank
+0's state.  The shard is the library's (:meth:`ringtrain.training.fixed.FixedRun.index_batches`).
+After that it owns what needs PyTorch: the step, the loss sums, the finiteness check,
+BatchNorm's buffers, evaluation, checkpoints, the checksums.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ringtrain.data import dataset as datasets
+from ringtrain.optimizer_options import distributed_optimizer_options
+from ringtrain.output.progress import Loss
+from ringtrain.runtime import before_init
+from ringtrain.training import startup
+from ringtrain.training.run import FrameworkRun, RunIdentity, StepTag
+from ringtrain.training.world import World
+from torch_models import checkpoints, devices
+from torch_models.collectives import COLLECTIVES, VERSIONS, average_buffers
+from torch_models.data import open_data
+from torch_models.evaluation import FiniteWatch, parameters
+from torch_models.model import build
+
+
+class TorchRun(FrameworkRun):
+    """One rank's PyTorch run.  ``elastic``: a worker of an elastic job, which issues no
+    collective while it opens (a worker joining later would never be matched with it): its data
+    is opened alone, rank 0 alone checks the folders and restores, and Horovod's elastic state,
+    not a broadcast here, hands rank 0's weights to everyone."""
+
+    def __init__(self, args: argparse.Namespace, *, elastic: bool = False) -> None:
+        self.args, k = args, args.backward_passes_per_step
+        before_init(args.stall_timeout)
+        # Horovod: initialise; from here on every rank knows its rank and the world size.
+        hvd.init()
+        # Horovod: pin this rank to its share of the host's cores and to GPU local_rank (if any).
+        self.device = devices.pin(hvd.local_rank(), hvd.local_size())
+        self.world = startup.begin(args, hvd, COLLECTIVES, use_gpu=self.device.type == "cuda",
+                                   elastic=elastic)
+        together = None if elastic else self.world  # who opens together, with collectives
+        # Horovod: this host's rank count sizes the data's decoding workers (--data).
+        self.data = open_data(args, together, self.device, hvd.local_size())
+        if not elastic:
+            datasets.check_world(args, self.data.info, self.world.size)
+        # Different seeds per rank on purpose: the broadcast below, not luck, makes ranks agree.
+        torch.manual_seed(args.seed + self.world.rank)
+        self.model = build(args.model, self.data.info, args.dropout).to(self.device)  # checked
+        self.identity = RunIdentity.of(args, "torch", VERSIONS, self.data.info,
+                                       sum(p.numel() for p in self.model.parameters()))
+        if together or self.world.rank == 0:
+            startup.check_output_folders(together, args, self.identity.param_count)
+
+        # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
+        lr = self.target_lr if not elastic else args.base_lr  # elastic: set per step, per world
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=args.momentum)
+        # Horovod: wrap the optimizer: step() averages the gradients over all ranks (ring allreduce).
+        self.optimizer = hvd.DistributedOptimizer(optimizer,
+                                                  named_parameters=self.model.named_parameters(),
+                                                  **distributed_optimizer_options(args, hvd))
+        # Resume into the wrapped optimizer: DistributedOptimizer builds a new optimizer from the
+        # param groups alone, so state loaded before wrapping (the momentum buffers) would be lost.
+        if elastic:  # the first sync hands rank 0's restored state to all
+            self.start_epoch = self.restore() if args.resume and self.world.rank == 0 else 0
+        else:
+            self.start_epoch = startup.resume_epoch(self.world, args, self.restore)
+            # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) to every rank.
+            hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+            hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
+        self.scaler = torch.amp.GradScaler("cuda") if args.amp else None
+        # On a GPU, reading the weights' finiteness at once each step would stall the GPU's queue
+        # (an elastic job reads it at once: a commit between two steps must hold finite weights).
+        self.finite = FiniteWatch(self.model, lag=self.device.type == "cuda" and not elastic)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.micro = args.batch_size if k > 1 else None
+
+    def new_world(self) -> World:
+        """After an elastic re-form: this rank's new :class:`World`."""
+        self.world = World(hvd, COLLECTIVES)
+        return self.world
+
+    # --- one optimizer step ---------------------------------------------------------------------
+
+    def batches(self, steps):
+        return self.data.epoch(steps)
+
+    def step(self, batch, lr: float) -> tuple[Loss, int]:
+        x_all, y_all = batch
+        model, optimizer, scaler = self.model, self.optimizer, self.scaler
+        k = self.args.backward_passes_per_step
+        model.train()  # evaluation in between switched it off
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad()
+        losses = []
+        for micro in range(k):
+            x, y = (x_all, y_all) if k == 1 else (x_all[micro * self.micro:][:self.micro],
+                                                  y_all[micro * self.micro:][:self.micro])
+            with torch.autocast("cuda", enabled=scaler is not None):
+                loss = F.cross_entropy(model(x), y)
+            # Sums stay on the device: reading a GPU value every step would stall the GPU.  One
+            # kernel per batch: on a GPU the small CNN's step is bound by kernel launches.
+            self.loss_sum.add_(loss.detach(), alpha=len(y))
+            losses.append((loss.detach(), len(y)))
+            scaled = loss / k if k > 1 else loss
+            if scaler is not None:
+                scaler.scale(scaled).backward()
+            else:
+                scaled.backward()
+        if scaler is not None:
+            # Horovod's AMP recipe: allreduce first, then unscale, then step without a 2nd sync.
+            optimizer.synchronize()
+            scaler.unscale_(optimizer)
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        n = len(y_all)
+        # This rank's mean loss of the step, read (a wait for the GPU) only when shown.
+        return (lambda: sum(float(v) * m for v, m in losses) / n), n
+
+    def take_loss_sum(self) -> float:
+        total = float(self.loss_sum)
+        self.loss_sum.zero_()
+        return total
+
+    def diverged(self, tag: StepTag) -> StepTag | None:
+        return self.finite.step(tag)
+
+    def flush_diverged(self) -> StepTag | None:
+        return self.finite.flush()
+
+    # --- the epoch's end and the run's -------------------------------------------------------------
+
+    @property
+    def problem(self) -> str | None:
+        return self.data.problem
+
+    def sync_buffers(self) -> None:
+        average_buffers(self.model)
+
+    def eval_sums(self) -> list[float]:
+        return self.data.eval_sums(self.model, self.world.rank, self.world.size)
+
+    def save(self, epoch: int) -> None:
+        checkpoints.save(self.args.checkpoint_dir, epoch, self.model, self.optimizer,
+                         self.identity, self.args)
+
+    def restore(self) -> int:
+        return checkpoints.restore(self.args.checkpoint_dir, self.model, self.optimizer,
+                                   self.identity)
+
+    def parameters(self) -> list[np.ndarray]:
+        return parameters(self.model)
