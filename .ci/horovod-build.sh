@@ -1,4 +1,4 @@
-# Sourced by .ci/setup and .ci/gpu-check, the two scripts that build Horovod, and by
+# Sourced by .ci/setup and .ci/gpu-check, the two scripts that build Horovod, and by .ci/wheel and
 # .ci/horovod-patch.
 
 # The patch series (.ci/horovod-patches/): one patch per change, applied in the order of its
