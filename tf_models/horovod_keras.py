@@ -1,4 +1,4 @@
-"""What Horovod's Keras API (as patched by ``.ci/horovod-0.28.1.patch``) still lacks for ringtrain.
+"""What Horovod's Keras API (as patched by ``.ci/horovod-patches/``) still lacks for ringtrain.
 
 The fixed-size trainer (:mod:`tf_models.train`) uses Horovod's own ``hvd.DistributedOptimizer``,
 ``BroadcastGlobalVariablesCallback`` and ``model.fit``.  What remains here:
