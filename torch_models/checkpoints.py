@@ -73,7 +73,7 @@ def _check_state(state: dict, path: Path) -> None:
         raise checkpoint.not_ours(path, "has no random number generator state")
     slots = [(f"optimizer slot {k}.{name}", v) for k, per in optimizer["state"].items()
              if isinstance(per, dict) for name, v in per.items() if torch.is_tensor(v)]
-    for name, tensor in [*state["model"].items(), *slots]:
+    for name, tensor in [*((f"model weight {k}", v) for k, v in state["model"].items()), *slots]:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise checkpoint.not_finite(path, name)
 
