@@ -24,7 +24,7 @@ from ringtrain import model_spec
 from ringtrain.output.summary import Summary
 from ringtrain.runtime import before_init
 from ringtrain.training import elastic, startup
-from ringtrain.training.world import World
+from ringtrain.training.world import World, state_broadcast
 from tf_models import checkpoints, devices
 from tf_models.collectives import COLLECTIVES, VERSIONS, average_statistics
 from tf_models.data import open_data
@@ -63,7 +63,8 @@ def train(args: argparse.Namespace) -> Summary:
         gradient_predivide_factor=args.gradient_predivide_factor)
     model.compile(optimizer=optimizer)
     # Horovod: the elastic state broadcasts rank 0's weights and optimizer at every (re)start.
-    state = ElasticKerasState(net, optimizer, **elastic.initial_state(start_epoch))
+    state = ElasticKerasState(net, optimizer, bcast_object=state_broadcast(COLLECTIVES, hvd.rank),
+                              **elastic.initial_state(start_epoch))  # plain data, not pickles
     batch_sums = make_batch_sums(net, data.info.input_shape)
     weights_finite = make_weights_finite(net)
 

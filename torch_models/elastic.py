@@ -21,7 +21,7 @@ from ringtrain.optimizer_options import distributed_optimizer_options
 from ringtrain.output.summary import Summary
 from ringtrain.runtime import before_init, threads_per_rank
 from ringtrain.training import elastic, startup
-from ringtrain.training.world import World
+from ringtrain.training.world import World, state_broadcast
 from torch_models import checkpoints, devices
 from torch_models.collectives import COLLECTIVES, VERSIONS, average_buffers
 from torch_models.data import open_data
@@ -56,6 +56,10 @@ def train(args: argparse.Namespace) -> Summary:
                                           param_count, data.info)
     # Horovod: the elastic state broadcasts rank 0's weights and optimizer at every (re)start.
     state = hvd.elastic.TorchState(model, optimizer, **elastic.initial_state(start_epoch))
+    # Its plain attributes as JSON, not cloudpickle (TorchState takes no bcast_object; 0.28.1's
+    # State and ObjectState both call this attribute).  The optimizer's own sync still pickles
+    # its scalar options: docs/security.md.
+    state._bcast_object = state_broadcast(COLLECTIVES, hvd.rank)
     set_threads = lambda: torch.set_num_threads(threads_per_rank(hvd.local_size()))  # noqa: E731
     state.register_reset_callbacks([set_threads])
 
