@@ -22,6 +22,7 @@ import pickletools
 import re
 import stat
 import sys
+import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -127,8 +128,10 @@ def open_regular(path: Path, limit: int) -> BinaryIO:
 def _is_pickle(data: bytes) -> bool:
     """Whether ``data`` parses as a pickle stream: read opcode by opcode, nothing is executed."""
     try:
-        for _ in pickletools.genops(io.BytesIO(data)):
-            pass
+        with warnings.catch_warnings():  # its STRING opcodes warn of escapes they parse
+            warnings.simplefilter("ignore")
+            for _ in pickletools.genops(io.BytesIO(data)):
+                pass
     except Exception:  # pickletools raises ValueError and friends on anything that is no pickle
         return False
     return bool(data)
