@@ -167,14 +167,23 @@ def zip_changed(draw, data: bytes) -> bytes:
     return draw(mutated(data)) if draw(st.booleans()) else data
 
 
-@st.composite
-def torch_checkpoint(draw) -> bytes | str:
-    """Bytes of a ``.pt``, or a special file: ``"symlink"``, ``"fifo"``, ``"folder"``."""
+def seed_or_special(draw, ext: str) -> bytes | str | None:
+    """A corpus checkpoint of ``ext`` changed, a special file (``"symlink"``, ``"fifo"``,
+    ``"folder"``, ``"dev-zero"``), or None: the caller generates one."""
     how = draw(st.sampled_from(["seed", "seed", "structured", "structured", "special"]))
     if how == "special":
         return draw(st.sampled_from(["symlink", "fifo", "folder", "dev-zero"]))
     if how == "seed":
-        return draw(zip_changed(draw(st.sampled_from(corpus("ckpt", ".pt")))))
+        return draw(zip_changed(draw(st.sampled_from(corpus("ckpt", ext)))))
+    return None
+
+
+@st.composite
+def torch_checkpoint(draw) -> bytes | str:
+    """Bytes of a ``.pt``, or a special file."""
+    found = seed_or_special(draw, ".pt")
+    if found is not None:
+        return found
     import torch
 
     model, optimizer = seeds.torch_target()
@@ -199,11 +208,9 @@ def torch_checkpoint(draw) -> bytes | str:
 
 @st.composite
 def tf_checkpoint(draw) -> bytes | str:
-    how = draw(st.sampled_from(["seed", "seed", "structured", "structured", "special"]))
-    if how == "special":
-        return draw(st.sampled_from(["symlink", "fifo", "folder", "dev-zero"]))
-    if how == "seed":
-        return draw(zip_changed(draw(st.sampled_from(corpus("ckpt", ".npz")))))
+    found = seed_or_special(draw, ".npz")
+    if found is not None:
+        return found
     arrays = {}
     names = st.sampled_from(["model_0000", "model_0001", "optimizer_0000", "optimizer_0001",
                              "optimizer_0002", "rng_0000", "extra"]) | st.text(min_size=1, max_size=10)

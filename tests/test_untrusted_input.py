@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fuzz_seeds as seeds
@@ -404,11 +405,8 @@ def channel(everyone_here: bool) -> list[Watchdog]:
         ready.wait()
         return list(records)
 
-    openers = [threading.Thread(target=d.open_channel, args=(gather, everyone_here)) for d in dogs]
-    for t in openers:
-        t.start()
-    for t in openers:
-        t.join()
+    with ThreadPoolExecutor(2) as pool:  # both ranks in the allgather at once
+        list(pool.map(lambda dog: dog.open_channel(gather, everyone_here), dogs))
     return dogs
 
 
