@@ -567,9 +567,9 @@ def test_generated_flag_lines_end_in_one_line_through_the_command():
 
 @requires_horovod
 def test_generated_checkpoints_end_in_one_line_through_the_command(tmp_path):
-    """Refused generated checkpoints (three kinds of refusal) as the newest of a real run's
+    """Refused generated checkpoints (two kinds of refusal) as the newest of a real run's
     folder: the resume ends in one line, exit 2."""
-    cases = [data for data in REFUSED_CHECKPOINTS.values() if data][:3] or [
+    cases = [data for data in REFUSED_CHECKPOINTS.values() if data][:2] or [
         seeds.CORPUS.joinpath(f"ckpt/{name}.pt").read_bytes() for name in ("torch-deflated", "torch-nan")]
     for i, data in enumerate(cases):
         folder = tmp_path / f"ckpt{i}"
