@@ -53,9 +53,11 @@ def horovod_build_problem(series: Path = CHECKOUT_SERIES, package_dir: Path | No
     (``horovod/_ringtrain_patch.py``, .ci/horovod-build.sh).  Another build (PyPI's, a container's,
     one of an older checkout) runs, but without fixes the trainers rely on: upstream 0.28.1's
     Keras optimizer skipped the allreduce on Keras 3 and ranks trained apart without an error.
-    Read as text, without importing Horovod.
+    Read as text, without importing Horovod.  Where ringtrain is installed without its
+    checkout (``pip install .``: no patch beside the package), the patch's version cannot be
+    compared, but a Horovod that records none is still refused.
     """
-    if not (series / "series").is_file() or os.environ.get(ANY_HOROVOD) == "1":
+    if os.environ.get(ANY_HOROVOD) == "1":
         return None
     if package_dir is None:
         spec = importlib.util.find_spec("horovod")
@@ -64,11 +66,16 @@ def horovod_build_problem(series: Path = CHECKOUT_SERIES, package_dir: Path | No
         package_dir = Path(next(iter(spec.submodule_search_locations)))
     record = package_dir / "_ringtrain_patch.py"
     found = re.search(r'PATCH_SHA256 = "([0-9a-f]+)"', record.read_text()) if record.is_file() else None
-    try:
-        want = series_sha256(series)
-    except FileNotFoundError as err:
-        return (f"this checkout's Horovod patch series is incomplete ({err.filename} is missing): "
-                "restore it with git")
+    if not (series / "series").is_file():
+        if found:
+            return None  # built by ringtrain's setup; which series, only a checkout can tell
+        want = ""
+    else:
+        try:
+            want = series_sha256(series)
+        except FileNotFoundError as err:
+            return (f"this checkout's Horovod patch series is incomplete ({err.filename} is "
+                    "missing): restore it with git")
     if found and found.group(1) == want:
         return None
     what = (f"was built from another version of the patch series ({found.group(1)[:10]}, this "

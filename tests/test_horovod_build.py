@@ -80,6 +80,17 @@ def test_the_build_check_accepts_only_the_checkouts_series(tmp_path, monkeypatch
     assert horovod_build_problem(tmp_path / "no-series-here", record(tmp_path / "f3", None)) is None
 
 
+def test_without_a_checkout_a_horovod_that_records_no_patch_is_still_refused(tmp_path, monkeypatch):
+    """ringtrain installed without its checkout (``pip install .``: no patch beside the package)
+    cannot tell which patch a build records, but PyPI's Horovod, which records none, is still one
+    line (the check used to switch itself off there)."""
+    monkeypatch.delenv(ANY_HOROVOD, raising=False)
+    nowhere = tmp_path / "no-patch-here"
+    foreign = horovod_build_problem(nowhere, record(tmp_path / "foreign", None))
+    assert foreign and "was not built by ringtrain's setup" in foreign, foreign
+    assert horovod_build_problem(nowhere, record(tmp_path / "ours", b"some patch\n")) is None
+
+
 @requires_horovod
 def test_the_installed_build_is_this_checkouts():
     assert horovod_build_problem() is None
