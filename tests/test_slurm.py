@@ -3,9 +3,9 @@
 ``.ci/slurm start DIR`` brings up a private single-node cluster (Debian's slurm-wlm and munge,
 installed if missing; root only) and ``stop`` takes it down.  The test copies the batch script out
 of docs/clusters.md, so the page and the test cannot drift, submits it with the command-line
-overrides the page documents for a smaller job, and checks what the job wrote: 2 tasks under MPI (srun's PMIx),
-identical weights, a falling loss.  Where Slurm cannot run (not root, no apt-get, no package
-mirror) the test is skipped with the script's reason.
+overrides the page documents for a smaller job, and checks what the job wrote: 2 tasks under MPI
+(srun's PMIx), identical weights, a falling loss.  Where Slurm cannot run (not root, no apt-get,
+no package mirror) the test is skipped with the script's reason.
 """
 
 from __future__ import annotations
