@@ -1,11 +1,11 @@
-"""README's Slurm batch script, as printed there, run by a real Slurm.
+"""docs/clusters.md's Slurm batch script, as printed there, run by a real Slurm.
 
 ``.ci/slurm start DIR`` brings up a private single-node cluster (Debian's slurm-wlm and munge,
 installed if missing; root only) and ``stop`` takes it down.  The test copies the batch script out
-of README.md, so README and test cannot drift, submits it with the command-line overrides README
-documents for a smaller job, and checks what the job wrote: 2 tasks under MPI (srun's PMIx),
-identical weights, a falling loss.  Where Slurm cannot run (not root, no apt-get, no package
-mirror) the test is skipped with the script's reason.
+of docs/clusters.md, so the page and the test cannot drift, submits it with the command-line
+overrides the page documents for a smaller job, and checks what the job wrote: 2 tasks under MPI
+(srun's PMIx), identical weights, a falling loss.  Where Slurm cannot run (not root, no apt-get,
+no package mirror) the test is skipped with the script's reason.
 """
 
 from __future__ import annotations
@@ -26,20 +26,22 @@ from ringtrain.data.mnist import resolve_data_dir
 pytestmark = requires_horovod
 SLURM = REPO / ".ci" / "slurm"
 CANNOT_RUN_HERE = 3  # .ci/slurm's exit status for "not root / nothing to install Slurm with"
+PAGE = REPO / "docs" / "clusters.md"  # README's "Clusters" links there
 
 
-def readme_batch_script() -> str:
-    """The one ```bash block in README.md that is a batch script (starts with #!, has #SBATCH)."""
-    blocks = re.findall(r"^```bash\n(.*?)^```", (REPO / "README.md").read_text(), re.M | re.S)
+def documented_batch_script() -> str:
+    """The one ```bash block in docs/clusters.md that is a batch script (starts with #!, has
+    #SBATCH)."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", PAGE.read_text(), re.M | re.S)
     scripts = [b for b in blocks if b.startswith("#!/bin/bash") and "#SBATCH" in b]
-    assert len(scripts) == 1, f"README.md should hold one Slurm batch script, found {len(scripts)}"
+    assert len(scripts) == 1, f"{PAGE.name} should hold one Slurm batch script, found {len(scripts)}"
     return scripts[0]
 
 
-def readme_small_submission() -> list[str]:
-    """README's sbatch line for a short run on one node (``sbatch --nodes=1 ...``), as argv."""
-    lines = [ln for ln in (REPO / "README.md").read_text().splitlines() if ln.startswith("sbatch --nodes=1")]
-    assert len(lines) == 1, f"README.md should show one 'sbatch --nodes=1' line, found {len(lines)}"
+def documented_small_submission() -> list[str]:
+    """The page's sbatch line for a short run on one node (``sbatch --nodes=1 ...``), as argv."""
+    lines = [ln for ln in PAGE.read_text().splitlines() if ln.startswith("sbatch --nodes=1")]
+    assert len(lines) == 1, f"{PAGE.name} should show one 'sbatch --nodes=1' line, found {len(lines)}"
     return shlex.split(lines[0], comments=True)
 
 
@@ -75,14 +77,14 @@ def slurm_cluster(tmp_path):
         assert not left, f"left running after stop: {left}\n{logs}"
 
 
-def test_readme_slurm_script_trains_two_tasks(slurm_cluster, tmp_path):
-    """README's script, as printed, submitted with README's own line for one small node (one
+def test_documented_slurm_script_trains_two_tasks(slurm_cluster, tmp_path):
+    """The page's script, as printed, submitted with the page's own line for one small node (one
     node, 2 tasks, trainer flags after the script's name), plus --wait and an output file.  The
     job runs from its submission folder, which holds the repository's .venv (here a link to the
     one running this test) and gets the test's MNIST folder through MNIST_DIR."""
-    (tmp_path / "ringtrain.sbatch").write_text(readme_batch_script())
+    (tmp_path / "ringtrain.sbatch").write_text(documented_batch_script())
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))
-    sbatch, *options = readme_small_submission()
+    sbatch, *options = documented_small_submission()
     env = {"SLURM_CONF": str(slurm_cluster), "MNIST_DIR": str(resolve_data_dir())}
     proc = run([sbatch, "--wait", "--output=job.out", *options], cwd=tmp_path, env=env, timeout=420)
     out = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
