@@ -17,7 +17,8 @@ def test_mpi_yields_when_ranks_fill_the_cores(monkeypatch):
 
 
 def test_mpi_yields_under_srun_which_sets_no_open_mpi_rank_variables(monkeypatch):
-    """srun --mpi=pmix (README's Slurm script) starts the ranks itself: the count comes from Slurm."""
+    """srun --mpi=pmix (docs/clusters.md's Slurm script) starts the ranks itself: the count
+    comes from Slurm."""
     monkeypatch.setattr(runtime, "available_cores", lambda: 2)
     for per_node, node_id, yields in (("2", "0", True), ("1(x2)", "1", False), ("1,3(x2)", "2", True),
                                       ("4(x2)", "5", False), ("garbage", "0", False)):
