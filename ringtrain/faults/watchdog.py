@@ -351,6 +351,42 @@ def progress(step: bool = False) -> None:
         dog.last = _now()
 
 
+def silent_ranks() -> dict[int, float]:
+    """Rank 0, which hears every rank's heartbeat: the ranks silent for longer than half the stall
+    timeout (dead, frozen or cut off), with the seconds since their last heartbeat.  Empty on
+    other ranks and without a watchdog.  (The parameter servers judge their workers by this.)"""
+    dog = _dog
+    if dog is None or dog.rank != 0 or not dog.peers:
+        return {}
+    now = _now()
+    return {r: quiet for r in dog.peers if r != dog.rank and (quiet := dog.silent(r, now))}
+
+
+def describe_rank(rank: int) -> str:
+    """``rank 3 (host, 10.0.0.3, pid 4242)`` from the start-up records, or ``rank 3``."""
+    dog = _dog
+    info = dog.peers.get(rank) if dog is not None else None
+    return describe(info) if info else f"rank {rank}"
+
+
+def end_job(line: str) -> None:
+    """End every rank now with one line (this rank's): what the watchdog does when it fires,
+    for a verdict reached elsewhere (a parameter server's worker that went silent)."""
+    dog = _dog
+    if dog is not None:
+        with dog.lock:
+            dog.fired = True  # its own verdict would be a second line
+        dog.abort(line)
+    _say(line)
+    try:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(STALL_EXIT_CODE)
+    except Exception:
+        pass
+    os._exit(STALL_EXIT_CODE)
+
+
 def gloo_timeout() -> float:
     """Horovod's Gloo timeout in this worker (horovodrun's --gloo-timeout-seconds; 30 s default)."""
     try:
