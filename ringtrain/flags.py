@@ -187,6 +187,11 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
 
 # --- --strategy ps (issue 39) ---------------------------------------------------------------------
 
+PS_NEEDS_MPI = ("--strategy ps moves the parameters point to point with MPI (mpi4py), which {what} "
+                "does not start: Gloo has no point-to-point API that Python can reach; run it "
+                "under horovodrun without --gloo, or mpirun")
+
+
 def staleness(args: argparse.Namespace) -> int | None:
     """``--staleness`` as a number of steps; None for ``inf``; 0 when not given."""
     raw = "0" if args.staleness is None else str(args.staleness).strip()

@@ -31,12 +31,10 @@ from typing import Any
 import numpy as np
 
 from ringtrain.errors import UserError
+from ringtrain.flags import PS_NEEDS_MPI
 from ringtrain.runtime import uses_gloo
 from ringtrain.training.world import Collectives, World
 
-NO_GLOO = ("--strategy ps moves the parameters point to point with MPI (mpi4py), which {what} "
-           "does not start: Gloo has no point-to-point API that Python can reach; run it under "
-           "horovodrun without --gloo, or mpirun")
 RECOVERY_ENV = "OMPI_MCA_orte_enable_recovery"  # what mpirun --enable-recovery sets in each rank
 
 
@@ -45,7 +43,7 @@ def start(what: str = "horovodrun --gloo") -> Any:
     Horovod already runs in this process); the ``MPI`` module.  One line for Gloo, for a missing
     mpi4py and for an MPI without thread support."""
     if uses_gloo(os.environ):
-        raise UserError(NO_GLOO.format(what=what))
+        raise UserError(PS_NEEDS_MPI.format(what=what))
     try:
         from mpi4py import MPI
     except ImportError as err:

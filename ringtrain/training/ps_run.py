@@ -28,6 +28,7 @@ line.  Server 0 itself dead: the workers' watchdogs name it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import abstractmethod
 from collections import Counter
@@ -116,9 +117,14 @@ class ParameterServerRun(FrameworkRun):
                 f"{'inf' if k is None else k}")
 
     def role_ranks(self, world: World) -> None:
-        """Call once the world is known (before the data and the LR need the shards)."""
+        """Call once the world and the identity are known, before the LR needs the shards."""
         self._rank = world.rank
         self._roles = ps.Roles(flags.ps_servers(self.args), world.size)
+        k = flags.staleness(self.args)
+        self.identity = dataclasses.replace(
+            self.identity, strategy="ps", extra={"servers": self._roles.servers,
+                                                 "workers": self._roles.workers,
+                                                 "staleness": "inf" if k is None else k})
 
     # --- opening -------------------------------------------------------------------------------
 
@@ -250,10 +256,11 @@ class ParameterServerRun(FrameworkRun):
     # --- dead workers -----------------------------------------------------------------------
 
     def _silent(self) -> dict[int, float]:
-        """Ranks whose heartbeat has been silent for the whole --stall-timeout (rank 0 hears them
-        all): dead or frozen, not busy (a rank's watchdog thread beats while it computes)."""
-        timeout = self.args.stall_timeout
-        return {r: q for r, q in watchdog.silent_ranks().items() if timeout and q >= timeout}
+        """Ranks whose heartbeat has been silent for half the --stall-timeout (rank 0 hears them
+        all; the watchdog's own measure of a dead or frozen rank: a rank's watchdog thread beats
+        every second while it computes).  Half, so that this verdict, which names the worker and
+        says what the staleness makes of it, comes before the watchdog's own at the timeout."""
+        return watchdog.silent_ranks()
 
     def _on_dead(self, rank: int, quiet: float) -> bool:
         """A worker is dead or frozen: go on without it (True), or end the job with one line."""
