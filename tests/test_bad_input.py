@@ -166,5 +166,6 @@ def test_parameter_servers_refuse_gloo():
                env={"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"})
     one_error_line(proc, "--strategy ps moves the parameters point to point with MPI",
                    "horovodrun --gloo", "run it under horovodrun without --gloo, or mpirun")
-    proc = run([sys.executable, "-m", "launch.ray", "--num-workers", "2", "--strategy", "ps"])
+    proc = run([sys.executable, "-m", "launch.ray", "--framework", "torch", "--num-workers", "2",
+                "--strategy", "ps"])
     one_error_line(proc, "--strategy ps moves the parameters point to point with MPI", "Ray")
