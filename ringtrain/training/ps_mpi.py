@@ -14,7 +14,7 @@ completes, so Horovod's thread would wait forever and the rank's exit with it (m
 ``mpirun --enable-recovery`` and one rank killed, two survivors that kept Horovod up hung at exit
 until killed; with Horovod shut down they trained on, formed a communicator without the dead
 rank and exited 0).  The run's own collectives (epoch sums, evaluation, checksums) then go
-through :func:`world` over mpi4py: JSON and float64 arrays, no pickles.
+through :func:`world` over mpi4py: the same plain data in arrays as Horovod's, no pickles.
 
 Each wait polls (``Testany``) and sleeps between polls, from 50 us up to 1 ms: a busy wait would
 take a core from a worker on this 2-core machine, and a blocking ``Wait`` could not be bounded.
@@ -22,7 +22,6 @@ take a core from a worker on this 2-core machine, and a blocking ``Wait`` could 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -117,8 +116,8 @@ class _Ranks:
 
 
 def collectives(comm) -> Collectives:
-    """The collectives framework-free code issues, over ``comm``: float64 sums, and objects as
-    JSON (every object the library exchanges is plain data: numbers, strings, lists, dicts)."""
+    """The collectives framework-free code issues, over ``comm``: float64 sums, and the broadcast
+    and allgather of the 1-D arrays :class:`World` carries its plain data in (no pickles)."""
     from mpi4py import MPI
 
     def total(values: Sequence[float], name: str) -> list[float]:
@@ -127,25 +126,20 @@ def collectives(comm) -> Collectives:
         comm.Allreduce(mine, out, op=MPI.SUM)
         return out.tolist()
 
-    def broadcast(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-        data = np.frombuffer(json.dumps(obj).encode(), np.uint8) if comm.Get_rank() == root_rank \
-            else np.empty(0, np.uint8)
-        size = np.array([len(data)], np.int64)
-        comm.Bcast(size, root=root_rank)
-        buf = data.copy() if comm.Get_rank() == root_rank else np.empty(int(size[0]), np.uint8)
-        comm.Bcast(buf, root=root_rank)
-        return json.loads(buf.tobytes())
+    def broadcast(array: np.ndarray, name: str) -> np.ndarray:
+        out = np.ascontiguousarray(array).copy()  # every rank passes one of the root's size
+        comm.Bcast(out, root=0)
+        return out
 
-    def gather(obj: Any, name: str | None = None) -> list[Any]:
-        data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-        sizes = np.empty(comm.Get_size(), np.int64)
-        comm.Allgather(np.array([len(data)], np.int64), sizes)
-        out = np.empty(int(sizes.sum()), np.uint8)
-        comm.Allgatherv(data, [out, sizes.tolist()])
-        ends = np.cumsum(sizes)
-        return [json.loads(out[end - n:end].tobytes()) for n, end in zip(sizes, ends, strict=True)]
+    def gather(array: np.ndarray, name: str) -> np.ndarray:
+        mine = np.ascontiguousarray(array)
+        counts = np.empty(comm.Get_size(), np.int64)
+        comm.Allgather(np.array([mine.size], np.int64), counts)
+        out = np.empty(int(counts.sum()), mine.dtype)
+        comm.Allgatherv(mine, [out, counts.tolist()])
+        return out
 
-    return Collectives(sum=total, broadcast_object=broadcast, allgather_object=gather)
+    return Collectives(sum=total, broadcast=broadcast, allgather=gather)
 
 
 def world(comm) -> World:
