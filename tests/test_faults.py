@@ -622,20 +622,25 @@ def test_a_dead_worker_is_trained_on_without_at_staleness_inf(tier, tmp_path, jo
 
 
 @pytest.mark.parametrize("staleness,recovery,tier", cells(
-    ("4", True, "ci"), ("0", True, "full"), ("inf", False, "full")))
+    ("4", False, "ci"), ("0", False, "full"), ("inf", False, "full"), ("4", True, "full")))
 def test_a_dead_worker_ends_a_bounded_staleness_job_in_one_line(staleness, recovery, tier, tmp_path,
                                                                  jobs):
     """A worker frozen (SIGSTOP) in epoch 2: at a finite staleness the others would wait for it,
     so the job ends within --stall-timeout + 30 s in one line naming it; at staleness inf
     without --enable-recovery too (Open MPI's mpirun would end every rank once the frozen one's
-    guardian kills it), saying why."""
+    guardian kills it), saying why.  Under --enable-recovery the job's exit status says nothing:
+    Open MPI 4.1.4's mpirun exited 0 for ranks calling MPI_Abort(3) or all exiting 3, and this
+    cell's job ended 0 in one run and 1 in another (horovodrun after the guardian interrupted
+    mpirun); the line is then the only sign, which is why recovery is for --staleness inf alone
+    (docs/parameter-servers.md)."""
     job, _ = ps_job(tmp_path, jobs, 3, ["--staleness", staleness], recovery=recovery)
     job.rank(2).send_signal(signal.SIGSTOP)
     t0 = time.monotonic()
     rc, took = job.wait_exit(BOUND + 30)
     record(f"frozen worker/torch/mpi{' --enable-recovery' if recovery else ''}/ps {staleness}",
            f"exit {rc}", took, job.first_error_after(t0))
-    assert rc != 0 and took <= BOUND, (rc, took)
+    assert recovery or rc != 0, rc
+    assert took <= BOUND, took
     line = assert_one_line(job, r"worker rank 2 \(", "is dead, frozen or cut off")
     assert ("would train on without it" in line) == (staleness == "inf"), line
     assert_nothing_left(job)
@@ -643,14 +648,14 @@ def test_a_dead_worker_ends_a_bounded_staleness_job_in_one_line(staleness, recov
 
 @pytest.mark.parametrize("tier", cells(("full",)))
 def test_a_dead_server_ends_the_job_in_one_line(tier, tmp_path, jobs):
-    """Server rank 1 of 2 SIGKILLed (mpirun --enable-recovery, so that the job is ours to end):
-    server 0 hears its heartbeat stop and ends the job in one line: its slice is gone."""
-    job, _ = ps_job(tmp_path, jobs, 4, ["--ps-servers", "2", "--staleness", "inf"], recovery=True)
-    job.rank(1).send_signal(signal.SIGKILL)
+    """Server rank 1 of 2 frozen (SIGSTOP): server 0 hears its heartbeat stop and ends the job in
+    one line: its slice is gone.  (Killed instead, Open MPI's mpirun ends every rank at once,
+    as for the ring.)"""
+    job, _ = ps_job(tmp_path, jobs, 4, ["--ps-servers", "2", "--staleness", "inf"], recovery=False)
+    job.rank(1).send_signal(signal.SIGSTOP)
     t0 = time.monotonic()
     rc, took = job.wait_exit(BOUND + 30)
-    record("killed server/torch/mpi --enable-recovery/ps inf", f"exit {rc}", took,
-           job.first_error_after(t0))
+    record("frozen server/torch/mpi/ps inf", f"exit {rc}", took, job.first_error_after(t0))
     assert rc != 0 and took <= BOUND, (rc, took)
     assert_one_line(job, r"server rank 1 \(", "its part of the parameters is gone")
     assert_nothing_left(job)
@@ -742,6 +747,20 @@ def test_heartbeats_name_the_silent_rank_and_rank_0_decides():
     verdict = dogs[0].check()
     assert verdict and re.match(r"rank 1 \(.*\) is frozen, dead or unreachable \(no heartbeat",
                                 verdict), verdict
+    # Rank 0 ends the job itself (a parameter server's verdict, watchdog.end_job): its signed
+    # datagram tells rank 1 to leave without a line of its own; from rank 1 it means nothing.
+    assert dogs[0].sources == {1: dogs[1].sock.getsockname()}
+    for d in dogs:  # what the last tick left unread
+        d.sock.settimeout(0.2)
+        with contextlib.suppress(TimeoutError):
+            while True:
+                d.accept(d.sock.recv(4096))
+    dogs[1]._send(end=True)
+    dogs[0].sock.settimeout(2)
+    assert dogs[0].accept(dogs[0].sock.recv(4096)) == 1 and not dogs[0].ended
+    dogs[0].tell_the_end()
+    dogs[1].sock.settimeout(2)
+    assert not dogs[1].ended and dogs[1].accept(dogs[1].sock.recv(4096)) == 0 and dogs[1].ended
     for d in dogs:
         d.sock.close()
 
