@@ -748,7 +748,7 @@ def test_heartbeats_name_the_silent_rank_and_rank_0_decides():
     assert verdict and re.match(r"rank 1 \(.*\) is frozen, dead or unreachable \(no heartbeat",
                                 verdict), verdict
     # Rank 0 ends the job itself (a parameter server's verdict, watchdog.end_job): its signed
-    # datagram tells rank 1 to leave without a line of its own; from rank 1 it means nothing.
+    # datagram tells rank 1 to leave without a line of its own; from rank 1 it is refused.
     assert dogs[0].sources == {1: dogs[1].sock.getsockname()}
     for d in dogs:  # what the last tick left unread
         d.sock.settimeout(0.2)
@@ -757,7 +757,7 @@ def test_heartbeats_name_the_silent_rank_and_rank_0_decides():
                 d.accept(d.sock.recv(4096))
     dogs[1]._send(end=True)
     dogs[0].sock.settimeout(2)
-    assert dogs[0].accept(dogs[0].sock.recv(4096)) == 1 and not dogs[0].ended
+    assert dogs[0].accept(dogs[0].sock.recv(4096)) is None and not dogs[0].ended  # refused
     dogs[0].tell_the_end()
     dogs[1].sock.settimeout(2)
     assert not dogs[1].ended and dogs[1].accept(dogs[1].sock.recv(4096)) == 0 and dogs[1].ended
