@@ -26,6 +26,7 @@ from pathlib import Path
 
 from bench import costmodel, util
 from bench import netns_hosts as nh
+from bench.metrics import time_to_target
 
 MODULE = "launch.torch_mnist"
 STALENESS = ["0", "1", "4", "16", "inf"]
@@ -139,16 +140,6 @@ def staleness_table(cfg: PSConfig, out: Path) -> list[dict]:
     return rows
 
 
-def seconds_to(target: float, epochs: list[dict]) -> tuple[float | None, int | None]:
-    """Training seconds (the epochs' own, added up) to the first epoch at or above ``target``."""
-    spent = 0.0
-    for e in epochs:
-        spent += e["seconds"]
-        if e["test_accuracy"] >= target:
-            return spent, e["epoch"]
-    return None, None
-
-
 def straggler_table(cfg: PSConfig, out: Path) -> list[dict]:
     n, rows = cfg.straggler_workers, []
     cells = [("ring", [], n, n - 1)] + [(f"ps staleness {k}", ps_args(k), n + 1, n)
@@ -166,7 +157,7 @@ def straggler_table(cfg: PSConfig, out: Path) -> list[dict]:
                "wall_seconds": rec["wall_seconds"]}
         if rec["ok"]:
             s = rec["summary"]
-            seconds, epoch = seconds_to(cfg.target, s["epochs"])
+            seconds, epoch = time_to_target(s["epochs"], cfg.target)
             row.update(seconds_to_target=seconds, epoch_reached=epoch,
                        accuracies=[e["test_accuracy"] for e in s["epochs"]],
                        epoch_seconds=[e["seconds"] for e in s["epochs"]],

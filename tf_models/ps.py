@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from ringtrain.errors import UserError
 from ringtrain.output.summary import Summary
-from ringtrain.training import ps_mpi, startup
+from ringtrain.training import startup
 from ringtrain.training.fixed import FixedRun
 from ringtrain.training.ps_run import ParameterServerRun
 from tf_models.horovod_keras import sparse_logits_loss
@@ -54,14 +54,8 @@ class KerasPSRun(ParameterServerRun, KerasRun):
     momentum_rule = "keras"
 
     def __init__(self, args: argparse.Namespace) -> None:
-        running = hvd.is_initialized()  # by an earlier ring run in this process (tests): it stays
-        MPI = ps_mpi.start()
-        super().__init__(args)
-        if not running:
-            # Horovod: shut down once the run is open: the servers exchange nothing through it.
-            hvd.shutdown()
+        self.open_run(args, hvd)
         self.gradient = make_gradient(self.net, args.backward_passes_per_step, args.batch_size)
-        self.open_servers(MPI)
 
     def open_optimizer(self, elastic: bool) -> None:
         """Server 0's optimizer, for checkpoints only (the servers update their slices), and the

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ringtrain.errors import UserError
 from ringtrain.output.summary import Summary
-from ringtrain.training import ps_mpi, startup
+from ringtrain.training import startup
 from ringtrain.training.fixed import FixedRun
 from ringtrain.training.ps_run import ParameterServerRun
 from torch_models.run import TorchRun
@@ -31,13 +31,7 @@ class TorchPSRun(ParameterServerRun, TorchRun):
     momentum_rule = "torch"
 
     def __init__(self, args: argparse.Namespace) -> None:
-        running = hvd.is_initialized()  # by an earlier ring run in this process (tests): it stays
-        MPI = ps_mpi.start()
-        super().__init__(args)
-        if not running:
-            # Horovod: shut down once the run is open: the servers exchange nothing through it.
-            hvd.shutdown()
-        self.open_servers(MPI)
+        self.open_run(args, hvd)
 
     def open_optimizer(self, elastic: bool) -> None:
         """Server 0's optimizer, for checkpoints only (the servers update their slices), and the

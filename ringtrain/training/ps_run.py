@@ -28,6 +28,7 @@ line.  Server 0 itself dead: the workers' watchdogs name it.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 from abc import abstractmethod
@@ -46,8 +47,7 @@ from ringtrain.training.world import World
 
 class ParameterServerRun(FrameworkRun):
     """Mix in before the framework's run object: ``class TorchPSRun(ParameterServerRun,
-    TorchRun)``.  Call :meth:`open_servers` at the end of the constructor, after ``hvd.init()``,
-    the model, the resume (on rank 0) and Horovod's shutdown."""
+    TorchRun)``, whose constructor calls :meth:`open_run`."""
 
     momentum_rule: str  # "torch" | "keras": how the framework's SGD keeps momentum
 
@@ -127,6 +127,20 @@ class ParameterServerRun(FrameworkRun):
                                                  "staleness": "inf" if k is None else k})
 
     # --- opening -------------------------------------------------------------------------------
+
+    def open_run(self, args: argparse.Namespace, hvd) -> None:
+        """The framework's preamble (the class after this one in the MRO: ``TorchRun``,
+        ``KerasRun``), with MPI initialised by mpi4py before it and Horovod (``hvd``, the
+        framework's module) shut down after it, once its start-up collectives are done; then
+        :meth:`open_servers`.  Horovod stays when it already ran in this process (an earlier ring
+        run in the tests' probe): it owns MPI then, and shutting it down would finalise MPI."""
+        running = hvd.is_initialized()
+        MPI = ps_mpi.start()
+        super().__init__(args)
+        if not running:
+            # Horovod: shut down once the run is open: the servers exchange nothing through it.
+            hvd.shutdown()
+        self.open_servers(MPI)
 
     def open_servers(self, MPI) -> None:
         """After Horovod: this run's own communicators (one for the engine's messages, one for
