@@ -280,6 +280,23 @@ def test_every_gradient_is_applied_exactly_once_at_staleness_inf():
         assert np.array_equal(full, want)
 
 
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_no_gradient_is_more_than_the_bound_behind(staleness):
+    """Between a worker's pull at clock c (the slowest at >= c - K) and its next push, each other
+    worker can go from c - K to c + K + 1: at most (2K + 1)(N - 1) updates land in between,
+    whatever the interleaving (random delays, one worker 5x slower)."""
+    workers, rng = 3, random.Random(staleness)
+
+    def delay(w: int) -> None:
+        time.sleep(rng.random() * 0.002 * (5 if w == 2 else 1))
+
+    job = Job(1, workers, staleness, size=4, steps=30, grad=lambda w, k: np.ones(4),
+              delay=delay).run().check()
+    histogram = job.servers[0].books.staleness
+    assert sum(histogram.values()) == workers * 30
+    assert max(histogram) <= (2 * staleness + 1) * (workers - 1), sorted(histogram.items())
+
+
 def test_a_free_worker_takes_the_epochs_tail_from_a_blocked_one():
     """Worker 2 is stuck on its first batch until the others have trained their own: at
     staleness inf they go on and take its 7 remaining batches; each batch is trained once."""
