@@ -29,9 +29,9 @@ from ringtrain.errors import launcher_rank  # noqa: E402
 
 
 def main(framework: str, plan_path: str) -> int:
-    trainer = import_trainer(framework)
     for run in json.loads(Path(plan_path).read_text()):
         args = cli.parse(framework, run["args"])
+        trainer = import_trainer(framework, strategy=args.strategy)
         if run.get("seed_from") and launcher_rank() == 0:
             newest = sorted(Path(run["seed_from"]).glob("ckpt-epoch*.*"))[-1]
             dest = Path(args.checkpoint_dir)

@@ -154,6 +154,26 @@ def test_floor_part(tmp_path):
     assert "## 7." in md and "QUICK MODE" in md
 
 
+@pytest.mark.timeout(3 * LIMIT + 60)
+def test_ps_part(tmp_path):
+    """Parameter servers: one staleness cell, the straggler wrapper around the servers, and (as
+    root) the link cells, ring and servers, on two namespace hosts; section 9 renders."""
+    out, md = bench(tmp_path, "--only", "ps", timeout=3 * LIMIT)
+    part = json.loads((out / "ps.json").read_text())
+    cells = part["staleness"] + part["straggler"] + part["link"].get("rows", [])
+    assert all(c["ok"] for c in cells), failed(cells)
+    (cell,) = part["staleness"]
+    assert cell["applied"] == 2 * (256 // 2 // 32) and cell["staleness_max"] >= 0
+    assert [r["label"] for r in part["straggler"]] == ["ps staleness 4"]
+    assert all(r["seconds_to_target"] is not None for r in part["straggler"])  # the target is 0%
+    if netns_hosts.why_unavailable() is None:
+        assert {(r["strategy"], r["hosts"]) for r in part["link"]["rows"]} == {("ring", 2), ("ps", 2)}
+        assert all(r["rx_per_step"] > 0 and r["tx_per_step"] > 0 for r in part["link"]["rows"])
+    else:
+        assert "skipped" in part["link"]
+    assert "## 9. Parameter servers" in md and "### 9.3" in md
+
+
 def test_profile(tmp_path):
     """``--profile RUN`` runs that run alone, wrapped for py-spy on rank 0; without py-spy (not in
     the test extra) the run still goes through that path, and the test skips what needs samples."""

@@ -52,7 +52,7 @@ class KerasRun(FrameworkRun):
     through :class:`DistributedModel` and gets rank 0's state from Horovod's elastic state."""
 
     def __init__(self, args: argparse.Namespace, *, elastic: bool = False) -> None:
-        self.args, self.elastic, k = args, elastic, args.backward_passes_per_step
+        self.args, self.elastic = args, elastic
         before_init(args.stall_timeout)
         # Horovod: initialise; from here on every rank knows its rank and the world size.
         hvd.init()
@@ -72,6 +72,15 @@ class KerasRun(FrameworkRun):
         if together or self.world.rank == 0:
             startup.check_output_folders(together, args, self.identity.param_count)
 
+        self.open_optimizer(elastic)
+        self.batch_sums = make_batch_sums(self.net, self.data.info)
+        self.weights_finite = make_weights_finite(self.net)
+        self.loss_sum = 0.0
+
+    def open_optimizer(self, elastic: bool) -> None:
+        """The optimizer, the resume and the model's compilation: the ring's Horovod recipe (a
+        strategy that exchanges no gradients through Horovod replaces it)."""
+        args, k = self.args, self.args.backward_passes_per_step
         # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
         lr = self.target_lr if not elastic else args.base_lr  # elastic: set per step, per world
         optimizer = keras.optimizers.SGD(learning_rate=lr, momentum=args.momentum)
@@ -105,9 +114,6 @@ class KerasRun(FrameworkRun):
             self.net.compile(optimizer=optimizer,
                              loss=SparseLogitsLoss(),
                              loss_weights=1.0 / k, metrics=[self.sums], jit_compile=False)
-        self.batch_sums = make_batch_sums(self.net, self.data.info)
-        self.weights_finite = make_weights_finite(self.net)
-        self.loss_sum = 0.0
 
     def new_world(self) -> World:
         """After an elastic re-form: this rank's new :class:`World`, and the train step traced

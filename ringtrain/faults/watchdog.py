@@ -162,6 +162,8 @@ class Watchdog:
         self.sent = 0                           # heartbeats this rank signed (their counter)
         self.counters: dict[int, int] = {}      # rank -> the counter of its last heartbeat
         self.dropped = 0                        # datagrams refused by accept()
+        self.sources: dict[int, tuple] = {}     # rank 0: the address each rank's beats come from
+        self.ended = False                      # rank 0 said the job ends (end_job)
         self.guard: subprocess.Popen | None = None
         self.lock = threading.Lock()
 
@@ -264,13 +266,23 @@ class Watchdog:
                 break
             except OSError:
                 continue
-            if self.accept(data) is not None and self.rank == 0:
+            rank = self.accept(data)
+            if rank is not None and self.rank == 0:
+                self.sources[rank] = source
                 self._send(source)  # the answer that tells the rank rank 0 is alive
+            if self.ended:
+                # Rank 0 ends the job and has said why (end_job): leave without a second line,
+                # also where its MPI_Abort reaches no one else (mpirun --enable-recovery).
+                with self.lock:
+                    self.armed = False
+                os._exit(STALL_EXIT_CODE)
 
-    def _send(self, to=None) -> None:
+    def _send(self, to=None, end: bool = False) -> None:
         self.sent += 1
-        body = json.dumps({"r": self.rank, "n": self.sent, "s": self.steps,
-                           "o": self.outside.get(self.rank)}).encode()
+        beat = {"r": self.rank, "n": self.sent, "s": self.steps, "o": self.outside.get(self.rank)}
+        if end:
+            beat["e"] = 1
+        body = json.dumps(beat).encode()
         try:
             if to is None:
                 self.sock.send(self._mac(body) + body)
@@ -286,7 +298,8 @@ class Watchdog:
         """The rank whose heartbeat ``data`` is, recorded; or None, and the datagram counted in
         :attr:`dropped`: too long, not signed with the job's key, a replay (its counter does not
         grow), or not ``{"r": rank, "n": counter, "s": steps, "o": where or null}`` of the right
-        types from a rank that may send to this one (rank 0 hears the others, they hear it)."""
+        types from a rank that may send to this one (rank 0 hears the others, they hear it).
+        Rank 0's may add ``"e": 1``: it ends the job (:func:`end_job`), and this rank leaves."""
         beat = None
         if MAC_BYTES < len(data) <= MAX_DATAGRAM and hmac.compare_digest(
                 data[:MAC_BYTES], self._mac(data[MAC_BYTES:])):
@@ -295,6 +308,9 @@ class Watchdog:
             except (ValueError, RecursionError):
                 beat = None
         rank = beat.get("r") if isinstance(beat, dict) else None
+        end = isinstance(beat, dict) and beat.get("e") == 1 and rank == 0  # rank 0: the job ends
+        if isinstance(beat, dict) and end:
+            beat = {k: v for k, v in beat.items() if k != "e"}
         if not (isinstance(beat, dict) and set(beat) == {"r", "n", "s", "o"}
                 and _whole(rank) and rank in self.peers and (rank == 0) != (self.rank == 0)
                 and _whole(beat["n"]) and beat["n"] > self.counters.get(rank, 0)
@@ -302,10 +318,20 @@ class Watchdog:
             self.dropped += 1
             return None
         self.counters[rank] = beat["n"]
+        self.ended = self.ended or end
         self.seen[rank] = _now()
         self.peer_steps[rank] = beat["s"]
         self.outside[rank] = None if beat["o"] is None else printable(beat["o"], 200)
         return rank
+
+    def tell_the_end(self) -> None:
+        """Rank 0: every rank whose heartbeats it has heard leaves at once, without a line of its
+        own (three signed datagrams each: a lost one costs only the line it would have saved)."""
+        if self.rank != 0 or self.sock is None or self.channel is None:
+            return
+        for _ in range(3):
+            for source in list(self.sources.values()):
+                self._send(source, end=True)
 
     def feed_guardian(self, what: str | None = None) -> None:
         guard = self.guard  # the watchdog thread and the rank's exit path both feed it
@@ -415,6 +441,43 @@ def progress(step: bool = False) -> None:
     if dog is not None:
         dog.steps += step
         dog.last = _now()
+
+
+def silent_ranks() -> dict[int, float]:
+    """Rank 0, which hears every rank's heartbeat: the ranks silent for longer than half the stall
+    timeout (dead, frozen or cut off), with the seconds since their last heartbeat.  Empty on
+    other ranks and without a watchdog.  (The parameter servers judge their workers by this.)"""
+    dog = _dog
+    if dog is None or dog.rank != 0 or not dog.peers:
+        return {}
+    now = _now()
+    return {r: quiet for r in dog.peers if r != dog.rank and (quiet := dog.silent(r, now))}
+
+
+def describe_rank(rank: int) -> str:
+    """``rank 3 (host, 10.0.0.3, pid 4242)`` from the start-up records, or ``rank 3``."""
+    dog = _dog
+    info = dog.peers.get(rank) if dog is not None else None
+    return describe(info) if info else f"rank {rank}"
+
+
+def end_job(line: str) -> None:
+    """End every rank now with one line (this rank's): what the watchdog does when it fires,
+    for a verdict reached elsewhere (a parameter server's worker that went silent)."""
+    dog = _dog
+    if dog is not None:
+        with dog.lock:
+            dog.fired = True  # its own verdict would be a second line
+        dog.tell_the_end()
+        dog.abort(line)
+    _say(line)
+    try:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(STALL_EXIT_CODE)
+    except Exception:
+        pass
+    os._exit(STALL_EXIT_CODE)
 
 
 def gloo_timeout() -> float:

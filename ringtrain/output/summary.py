@@ -66,6 +66,11 @@ class Summary:
     model: str = "cnn"  # --model: a built-in name or the user's package.module:function
     dataset: str = "mnist"
     data: dict[str, Any] | None = None  # --data: spec, input shape, classes, sizes, normalisation
+    strategy: str = "ring"  # --strategy
+    # --strategy ps: servers, workers, staleness; the staleness histogram (server updates each
+    # applied gradient was behind), updates/s and bytes per step of each server, each worker's
+    # wait, and the exactly-once counters (ringtrain.training.ps_run.summary_record)
+    ps: dict[str, Any] | None = None
     host: dict[str, Any] = field(default_factory=lambda: {
         "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()})
 

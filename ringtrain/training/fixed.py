@@ -46,10 +46,11 @@ class FixedRun:
             lr_scaling="none (adasum)" if args.adasum else args.lr_scaling,
             resumed_from_epoch=start_epoch or None)
         self.train_seconds = self.images_seen = 0.0
+        note = run.strategy_note()
         self.progress.info(f"{ident.versions_line()} ({self.world.controller}): {self.world.size} "
                            f"rank(s), {ident.model_name} {ident.param_count:,} params, lr "
                            f"{args.base_lr:g} -> {self.target_lr:g}, {self.steps} steps/epoch of "
-                           f"{global_batch} images")
+                           f"{global_batch} images" + (f"; {note}" if note else ""))
 
     # --- the run ----------------------------------------------------------------------------------
 
@@ -63,13 +64,14 @@ class FixedRun:
     def epochs(self) -> range:
         return range(self.start_epoch + 1, self.args.epochs + 1)
 
-    def index_batches(self, epoch: int) -> list[np.ndarray]:
-        """This rank's index arrays of ``epoch``, one per optimizer step: K x batch-size indices
-        each, the last possibly short but every micro-batch non-empty (``steps`` x K is at most
-        the shard's batch count)."""
+    def index_batches(self, epoch: int, shard: int | None = None) -> list[np.ndarray]:
+        """This rank's index arrays of ``epoch`` (shard ``shard``'s, when given), one per
+        optimizer step: K x batch-size indices each, the last possibly short but every
+        micro-batch non-empty (``steps`` x K is at most the shard's batch count)."""
         a, run = self.args, self.run
+        shard = run.shard_rank if shard is None else shard
         # Horovod: shard: rank r takes every N-th sample of the epoch's order, the same on all ranks.
-        idx = shard_indices(self.n_train, run.shard_rank, run.shard_size, a.seed, epoch,
+        idx = shard_indices(self.n_train, shard, run.shard_size, a.seed, epoch,
                             shuffle=not a.no_shuffle)
         rows = a.batch_size * a.backward_passes_per_step
         return [idx[s * rows:(s + 1) * rows] for s in range(self.steps)]

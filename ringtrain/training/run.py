@@ -142,6 +142,10 @@ class FrameworkRun(ABC):
     def parameters(self) -> list[np.ndarray]:
         """The model's floating-point state, in model order, for the checksums."""
 
+    def strategy_note(self) -> str | None:
+        """What the banner adds about a strategy other than the ring (who serves, who works)."""
+        return None
+
     # --- who drives the steps ---------------------------------------------------------------------
 
     def fit(self, fixed: Any) -> None:
