@@ -143,6 +143,8 @@ class Watchdog:
         self.outside: dict[int, str | None] = {}  # rank -> where its main thread is, if not in
         #                                            Horovod or the framework (None: it is)
         self.channel: dict | None = None        # rank 0's token, port and addresses
+        self.waiting: str | None = None         # what the main thread waits for from a peer,
+        #                                         outside Horovod (a pipeline's message)
         self.sock: socket.socket | None = None
         self.guard: subprocess.Popen | None = None
         self.lock = threading.Lock()
@@ -211,7 +213,9 @@ class Watchdog:
             time.sleep(self.tick)
             return
         token = self.channel["token"]
-        outside = main_thread_outside_frameworks()
+        # A wait for a peer's message (a pipeline's activations) is a wait for peers, as a
+        # collective is, not a rank stuck in its own code.
+        outside = None if self.waiting else main_thread_outside_frameworks()
         self.outside[self.rank] = outside
         mine = json.dumps({"t": token, "r": self.rank, "s": self.steps, "o": outside}).encode()
         if self.rank != 0:
@@ -267,6 +271,8 @@ class Watchdog:
             return None
         what = (f"no training step or collective completed on rank {self.rank} for "
                 f"{stalled:.0f} s (--stall-timeout {self.timeout:g})")
+        if self.waiting:
+            what += f"; it waits for {self.waiting}"
         if self.elastic:
             if stalled <= max(self.timeout, gloo_timeout()) + ELASTIC_GRACE:
                 # A frozen peer's guardian acts first, then the job re-forms.  A peer cut off by a
@@ -381,6 +387,37 @@ def start(stall_timeout: float, hvd, elastic: bool = False) -> Watchdog | None:
     atexit.register(disarm)
     _install_excepthook()
     return dog
+
+
+@contextlib.contextmanager
+def waiting(what: str):
+    """The main thread waits for a peer's message outside Horovod (``what``, e.g. "stage 0's
+    activations of micro-batch 3 from rank 0"): heartbeats then report the rank as waiting for
+    its peers, not stuck in its own code, and the stall line names what it waited for."""
+    dog = _dog
+    if dog is None:
+        yield
+        return
+    dog.waiting = what
+    try:
+        yield
+    finally:
+        dog.waiting = None
+
+
+def end_job(line: str) -> None:
+    """End the whole job now with ``line`` (a wait for a peer that outlived its own deadline):
+    through the watchdog's abort when it runs (unless it has already fired), else this process
+    alone, with the stall exit status."""
+    dog = _dog
+    if dog is not None:
+        with dog.lock:
+            fired, dog.fired = dog.fired, True
+        if not fired:
+            dog.abort(line)
+        time.sleep(2 * GRACE)  # the watchdog's own abort is under way
+    _say(line)
+    os._exit(STALL_EXIT_CODE)
 
 
 def new_world(rank: int, size: int) -> None:

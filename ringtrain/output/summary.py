@@ -66,6 +66,10 @@ class Summary:
     model: str = "cnn"  # --model: a built-in name or the user's package.module:function
     dataset: str = "mnist"
     data: dict[str, Any] | None = None  # --data: spec, input shape, classes, sizes, normalisation
+    # --pipeline-stages > 1: the stages (layers, params, bytes), schedule, micro-batches, the
+    # replicas, and each stage's measured busy and step time (param_checksums are then per rank
+    # of its stage's weights: equal within a stage)
+    pipeline: dict[str, Any] | None = None
     host: dict[str, Any] = field(default_factory=lambda: {
         "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()})
 
