@@ -17,15 +17,18 @@ EXT = "pt"
 
 
 def save(path_dir: str, epoch: int, model, optimizer, identity: RunIdentity,
-         args: argparse.Namespace) -> None:
+         args: argparse.Namespace, stage: dict | None = None) -> None:
+    """The checkpoint of ``epoch``: the whole model's, or a pipeline stage's (``stage``: its
+    :func:`ringtrain.output.checkpoint.metadata` record, ``stage`` and ``stages`` in it)."""
     buf = io.BytesIO()
     torch.save({
-        "meta": checkpoint.metadata(identity, epoch, checkpoint.config_of(args)),
+        "meta": checkpoint.metadata(identity, epoch, checkpoint.config_of(args), stage),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "torch_rng": torch.get_rng_state(),
     }, buf)
-    checkpoint.save(path_dir, epoch, EXT, buf.getvalue())
+    checkpoint.save(path_dir, epoch, EXT, buf.getvalue(),
+                    (stage["stage"], stage["stages"]) if stage else None)
 
 
 def read(path) -> tuple[object, dict]:
@@ -47,7 +50,18 @@ def restore(path_dir: str, model, optimizer, identity: RunIdentity) -> int:
     if found is None:
         return 0
     epoch, state = found
+    load(state, model, optimizer)
+    return epoch
+
+
+def find(path_dir: str, identity: RunIdentity, stage: tuple[int, int],
+         at_most: int | None = None) -> tuple[int, dict] | None:
+    """A pipeline stage's newest intact checkpoint (of epoch ``at_most`` or before): ``(epoch,
+    state)``, or None."""
+    return checkpoint.restore_newest(path_dir, EXT, read, identity, stage, at_most)
+
+
+def load(state: dict, model, optimizer) -> None:
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"])
-    return epoch

@@ -16,6 +16,7 @@ own shape (a signal's ``(40,)``, a token sequence's ``(32,)`` of int64 ids).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,15 @@ class MnistCNN(nn.Module):
         x = self.dropout(F.relu(self.fc1(torch.flatten(x, 1))))
         return self.fc2(x)
 
+    def layers(self) -> nn.Sequential:
+        """The same modules (the same parameters) as a chain, what a pipeline splits: the same
+        maths as :meth:`forward`, op for op."""
+        return nn.Sequential(OrderedDict([
+            ("conv1", self.conv1), ("relu1", nn.ReLU()), ("pool1", nn.MaxPool2d(2)),
+            ("conv2", self.conv2), ("relu2", nn.ReLU()), ("pool2", nn.MaxPool2d(2)),
+            ("flatten", nn.Flatten()), ("fc1", self.fc1), ("relu3", nn.ReLU()),
+            ("dropout", self.dropout), ("fc2", self.fc2)]))
+
 
 class MLP(nn.Module):
     def __init__(self, dropout: float = 0.5, input_shape: tuple[int, ...] = MNIST_SHAPE,
@@ -67,6 +77,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.dropout(F.relu(self.fc1(torch.flatten(x, 1)))))
+
+    def layers(self) -> nn.Sequential:
+        """The same modules as a chain (see :meth:`MnistCNN.layers`)."""
+        return nn.Sequential(OrderedDict([
+            ("flatten", nn.Flatten()), ("fc1", self.fc1), ("relu", nn.ReLU()),
+            ("dropout", self.dropout), ("fc2", self.fc2)]))
 
 
 BUILTIN = {"cnn": MnistCNN, "mlp": MLP}

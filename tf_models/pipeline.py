@@ -1,0 +1,190 @@
+"""Model parallelism on TensorFlow/Keras 3 through ``horovod.tensorflow``: a pipeline of S stages
+x R replicas (``--pipeline-stages S``), the fixed-size job; the twin of
+:mod:`torch_models.pipeline`.
+
+``model.fit`` runs one model's steps, so a pipeline's stage runs its own: each micro-batch's
+forward pass under a ``tf.GradientTape`` (kept until that micro-batch's backward, which the
+schedule may run much later), its backward through ``tape.gradient`` with the next stage's
+gradient as ``output_gradients``, the gradients summed over the step's micro-batches; then one
+grouped allreduce in the stage's Horovod process set
+(:func:`tf_models.horovod_keras.allreduce_gradients`: ``--fp16-allreduce`` and
+``--gradient-predivide-factor`` as in the data-parallel step) and one ``apply_gradients``.
+Eager, not traced: a tape cannot outlive a ``tf.function`` call, and recomputing the forward
+pass inside a traced backward would draw new dropout masks.  The stage's first replica
+broadcasts its weights and optimizer state within the set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import tensorflow as tf
+
+from ringtrain.data import dataset as datasets
+from ringtrain.output.summary import Summary
+from ringtrain.pipeline import run as pipeline
+from ringtrain.pipeline.placement import Placement
+from ringtrain.pipeline.transport import Link
+from ringtrain.runtime import before_init
+from ringtrain.training import startup
+from ringtrain.training.fixed import FixedRun
+from ringtrain.training.run import RunIdentity
+from tf_models import checkpoints, devices, stages
+from tf_models.collectives import COLLECTIVES, VERSIONS, average_statistics
+from tf_models.data import open_data
+from tf_models.evaluation import make_weights_finite, parameters
+from tf_models.horovod_keras import allreduce_gradients, sparse_logits_loss
+
+
+class KerasPipelineRun(pipeline.PipelineRun):
+    """One rank's stage of one replica."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        before_init(args.stall_timeout)
+        size = pipeline.before_init(args)  # MPI up (mpi4py), S divides the world
+        sets = pipeline.stage_sets(hvd, args.pipeline_stages, size)
+        # Horovod: initialise, with one process set per stage: its replicas' gradient allreduce.
+        hvd.init(process_sets=sets)
+        self.place = Placement(args.pipeline_stages, hvd.size(), hvd.rank())
+        self.stage_set = sets[self.place.stage]
+        # Horovod: pin this rank to its share of the host's cores and to GPU local_rank (if any).
+        use_gpu = devices.configure(hvd.local_rank(), hvd.local_size())
+        self.world = startup.begin(args, hvd, COLLECTIVES, use_gpu=use_gpu)
+        self.link = Link.open(self.world.rank, args.stall_timeout)
+        self.open_pipeline(args)
+        # Horovod: this host's rank count sizes the data's decoding threads (--data).
+        self.data = open_data(args, self.world, hvd.local_size())
+        datasets.check_world(args, self.data.info, self.place.replicas)
+        # Seeded per replica: replica 0's stages together are the model one process builds with
+        # --seed; other replicas draw other weights on purpose, the broadcast makes them agree.
+        keras.utils.set_random_seed(args.seed + self.place.replica)
+        split = startup.every_rank(self.world, lambda: stages.build_split(
+            args.model, self.data.info, args.dropout, self.place.stages))
+        self.stage = split.models[self.place.stage]
+        del split.models  # the other stages' layers go
+        self.stages = split.stages
+        self.inbound = split.cuts[self.place.stage - 1] if not self.place.first else None
+        self.outbound = split.cuts[self.place.stage] if not self.place.last else None
+        self.identity = RunIdentity.of(args, "tf", VERSIONS, self.data.info, split.param_count,
+                                       strategy="pipeline")
+        startup.check_output_folders(self.world, args, self.identity.param_count)
+
+        # Horovod: scale the learning rate with the replicas (R, the data-parallel width).
+        self.optimizer = keras.optimizers.SGD(learning_rate=self.target_lr, momentum=args.momentum)
+        self.optimizer.build(self.stage.trainable_variables)  # slots exist: checkpoints, broadcast
+        self.start_epoch = pipeline.resume_epoch(self.world, self.place, args, self.find, self.load)
+        # Horovod: broadcast the stage's first replica's weights and optimizer state within its
+        # set (root_rank is a global rank, also for a process set, in Horovod 0.28.1).
+        hvd.broadcast_variables([*self.stage.weights, *self.optimizer.variables],
+                                root_rank=self.place.stage_root, process_set=self.stage_set)
+        self.weights_finite = make_weights_finite(self.stage)
+
+    # --- one step ----------------------------------------------------------------------------------
+
+    def stage_batches(self, steps):
+        return self.data.batches(steps)
+
+    def begin_step(self, data, rows: list[int], lr: float) -> None:
+        self.optimizer.learning_rate = lr
+        bounds = np.cumsum([0, *rows])
+        x, y = data if data is not None else (None, None)
+        cut = list(zip(bounds[:-1], bounds[1:], strict=True))
+        self.inputs = [x[a:b] for a, b in cut] if self.place.first else None
+        self.labels = [tf.constant(y[a:b]) for a, b in cut] if self.place.last else None
+        self.rows_total = int(bounds[-1])
+        self.saved: dict[int, tuple] = {}
+        self.grads = None
+
+    def forward(self, m: int, x):
+        inp = tf.constant(self.inputs[m] if self.place.first else x)
+        with tf.GradientTape() as tape:
+            if not self.place.first:
+                tape.watch(inp)
+            out = self.stage(inp, training=True)
+            if self.place.last:
+                # The examples' summed loss over the step's rows: the micro-batches' gradients
+                # add up to the step's mean gradient (the stage set's allreduce then averages
+                # the replicas).
+                per_example = sparse_logits_loss(self.labels[m], out)
+                out = tf.reduce_sum(per_example) / self.rows_total
+        self.saved[m] = (tape, inp, out)
+        if self.place.last:
+            self.step_loss += float(tf.reduce_sum(tf.cast(per_example, tf.float64)))
+            return None
+        return out.numpy()
+
+    def backward(self, m: int, grad):
+        tape, inp, out = self.saved.pop(m)
+        sources = self.stage.trainable_variables if self.place.first else \
+            [inp, *self.stage.trainable_variables]
+        grads = tape.gradient(out, sources,
+                              output_gradients=None if self.place.last else tf.constant(grad))
+        if not self.place.first:
+            back, grads = grads[0], grads[1:]
+        self.grads = grads if self.grads is None else [
+            a + g for a, g in zip(self.grads, grads, strict=True)]
+        return None if self.place.first else back.numpy()
+
+    def end_step(self) -> bool:
+        a = self.args
+        grads = allreduce_gradients(self.grads, fp16=a.fp16_allreduce,
+                                    gradient_predivide_factor=a.gradient_predivide_factor,
+                                    name="StageGradients", process_set=self.stage_set)
+        self.optimizer.apply_gradients(zip(grads, self.stage.trainable_variables, strict=True))
+        return self.weights_finite()
+
+    # --- the epoch's end and the run's -------------------------------------------------------------
+
+    @property
+    def problem(self) -> str | None:
+        return self.data.problem
+
+    def sync_buffers(self) -> None:
+        average_statistics(self.stage, self.stage_set)
+
+    def eval_sums(self) -> list[float]:
+        relay = self.relay()
+
+        def batch_sums(x, y):
+            logits = relay(lambda v: self.stage(tf.constant(v), training=False), x, len(x),
+                           lambda t: t.numpy())
+            if logits is None:  # stages before the last: dropped by own_eval_sums
+                return 0.0, 0.0
+            loss = tf.reduce_sum(tf.cast(sparse_logits_loss(y, logits), tf.float64))
+            correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float64))
+            return loss, correct
+
+        sums = self.data.eval_sums(batch_sums, self.place.replica, self.place.replicas)
+        relay.finish()
+        return self.own_eval_sums(sums)
+
+    def save(self, epoch: int) -> None:
+        checkpoints.save(self.args.checkpoint_dir, epoch, self.stage, self.optimizer,
+                         self.identity, self.args,
+                         {**self.stages[self.place.stage].record(), "stages": self.place.stages})
+
+    def find(self, at_most: int | None):
+        return checkpoints.find(self.args.checkpoint_dir, self.identity,
+                                (self.place.stage, self.place.stages), at_most)
+
+    def load(self, found) -> None:
+        arrays, path = found
+        self.check_loaded(json.loads(str(arrays["meta"])), path)
+        checkpoints.load(arrays, path, self.stage, self.optimizer)
+
+    def parameters(self) -> list[np.ndarray]:
+        return parameters(self.stage)
+
+    def stage_param_bytes(self) -> int:
+        return sum(math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in self.stage.weights)
+
+
+def train(args: argparse.Namespace) -> Summary:
+    run = KerasPipelineRun(args)
+    return FixedRun(args, run, start_epoch=run.start_epoch).train()
