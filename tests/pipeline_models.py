@@ -40,3 +40,51 @@ def tf_cnn64(input_shape, num_classes):
     for mine, theirs in zip(out.layers, layers, strict=True):
         mine.set_weights([w.astype("float64") for w in theirs.get_weights()])
     return out
+
+
+def torch_unsplittable(input_shape, num_classes):
+    """A module whose forward is its own code: nothing says where it could be cut."""
+    import math
+
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(math.prod(input_shape), 16)
+            self.b = nn.Linear(16, num_classes)
+
+        def forward(self, x):
+            return self.b(self.a(x.flatten(1)).relu())
+
+    return Net()
+
+
+def torch_stages(input_shape, num_classes):
+    """A builder's own split: a list of two stage modules."""
+    import math
+
+    from torch import nn
+
+    return [nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 32), nn.ReLU()),
+            nn.Sequential(nn.Linear(32, num_classes))]
+
+
+def tf_residual(input_shape, num_classes):
+    """A functional model with a skip connection: not a chain."""
+    import keras
+
+    inputs = keras.Input(tuple(input_shape))
+    x = keras.layers.Flatten()(inputs)
+    h = keras.layers.Dense(32, activation="relu")(x)
+    h = keras.layers.Add()([h, keras.layers.Dense(32)(h)])
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(h))
+
+
+def tf_stages(input_shape, num_classes):
+    """A builder's own split: a list of two stage models."""
+    import keras
+
+    first = keras.Sequential([keras.Input(tuple(input_shape)), keras.layers.Flatten(),
+                              keras.layers.Dense(32, activation="relu")])
+    return [first, keras.Sequential([keras.Input((32,)), keras.layers.Dense(num_classes)])]

@@ -17,6 +17,7 @@ broadcasts its weights and optimizer state within the set.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 
@@ -78,6 +79,11 @@ class KerasPipelineRun(pipeline.PipelineRun):
         # Horovod: scale the learning rate with the replicas (R, the data-parallel width).
         self.optimizer = keras.optimizers.SGD(learning_rate=self.target_lr, momentum=args.momentum)
         self.optimizer.build(self.stage.trainable_variables)  # slots exist: checkpoints, broadcast
+        # Horovod: wrap the gradient step: the stage's summed micro-batch gradients are averaged
+        # over its replicas (one grouped allreduce in its process set) before apply_gradients.
+        self.allreduce = functools.partial(
+            allreduce_gradients, fp16=args.fp16_allreduce, process_set=self.stage_set,
+            gradient_predivide_factor=args.gradient_predivide_factor, name="StageGradients")
         self.start_epoch = pipeline.resume_epoch(self.world, self.place, args, self.find, self.load)
         # Horovod: broadcast the stage's first replica's weights and optimizer state within its
         # set (root_rank is a global rank, also for a process set, in Horovod 0.28.1).
@@ -132,10 +138,7 @@ class KerasPipelineRun(pipeline.PipelineRun):
         return None if self.place.first else back.numpy()
 
     def end_step(self) -> bool:
-        a = self.args
-        grads = allreduce_gradients(self.grads, fp16=a.fp16_allreduce,
-                                    gradient_predivide_factor=a.gradient_predivide_factor,
-                                    name="StageGradients", process_set=self.stage_set)
+        grads = self.allreduce(self.grads)
         self.optimizer.apply_gradients(zip(grads, self.stage.trainable_variables, strict=True))
         return self.weights_finite()
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -142,7 +143,8 @@ class PipelineRun(FrameworkRun):
         self.loss_sum = 0.0  # the last stage's summed loss since take_loss_sum
         self.step_loss = 0.0  # this step's, on the last stage
         self.nonfinite = False
-        self.times: list[tuple[float, float]] = []  # (wall, busy) seconds of each step
+        self.times: list[tuple[float, float, float]] = []  # seconds of each step: all of it,
+        #                                                   the schedule's, computing
 
     # --- who reads what, who writes -------------------------------------------------------------
 
@@ -190,6 +192,7 @@ class PipelineRun(FrameworkRun):
             yield len(indices), (next(data) if data is not None else None)
 
     def step(self, batch: tuple[int, Any], lr: float) -> tuple[Loss, int]:
+        t0 = time.perf_counter()
         rows_total, data = batch
         rows = micro_rows(rows_total, self.micro)
         self.step_rows = rows_total
@@ -198,7 +201,6 @@ class PipelineRun(FrameworkRun):
         ops = stage_ops(self.args.schedule, self.place.stages, self.place.stage, len(rows))
         took = run_step(self.place, self.link, self, ops, rows, self.inbound, self.outbound)
         finite = self.end_step()
-        self.times.append((took.wall, took.busy))
         # Every rank learns its replica's loss (the progress bar, the divergence line) and whether
         # any stage's weights stopped being finite: slot 0 counts those, slot 1 + r holds replica
         # r's loss, from its last stage.
@@ -209,6 +211,7 @@ class PipelineRun(FrameworkRun):
         total = self.link.allreduce_sum(mine, "the step's loss and weight check")
         self.nonfinite = bool(total[0])
         self.loss_sum += self.step_loss
+        self.times.append((time.perf_counter() - t0, took.wall, took.busy))
         return float(total[1 + self.place.replica]) / rows_total, rows_total
 
     def take_loss_sum(self) -> float:
@@ -262,17 +265,26 @@ class PipelineRun(FrameworkRun):
                 *(s.line() for s in self.stages)]
 
     def summary_fields(self) -> dict[str, Any]:
-        """The pipeline's facts and each rank's measured step: mean wall and busy (computing)
-        seconds per step, the first step left out (it traces and allocates)."""
+        """The pipeline's facts and each rank's measured steps, in mean seconds per step (the
+        first left out: it traces and allocates): the whole step, its schedule (the stages start
+        a step together, after the previous step's allreduce over every rank, so the longest
+        schedule of a replica is its pipeline's length) and the time the stage computed; and the
+        measured bubble of each replica, 1 - (mean computing time of its stages) / (its longest
+        schedule)."""
         times = self.times[1:] or self.times
-        wall = sum(t[0] for t in times) / max(len(times), 1)
-        busy = sum(t[1] for t in times) / max(len(times), 1)
-        measured = self.world.gather({"rank": self.world.rank, "stage": self.place.stage,
-                                      "replica": self.place.replica, "step_seconds": wall,
-                                      "busy_seconds": busy, "steps": len(times),
-                                      "param_bytes": self.stage_param_bytes()},
-                                     "pipeline.measured")
-        return {"pipeline": {**self.facts(), "ranks": measured}}
+        mean = [sum(t[i] for t in times) / max(len(times), 1) for i in range(3)]
+        ranks = self.world.gather({"rank": self.world.rank, "stage": self.place.stage,
+                                   "replica": self.place.replica, "step_seconds": mean[0],
+                                   "schedule_seconds": mean[1], "busy_seconds": mean[2],
+                                   "steps": len(times), "param_bytes": self.stage_param_bytes()},
+                                  "pipeline.measured")
+        bubbles = []
+        for r in range(self.place.replicas):
+            mine = [m for m in ranks if m["replica"] == r]
+            longest = max(m["schedule_seconds"] for m in mine)
+            busy = sum(m["busy_seconds"] for m in mine) / len(mine)
+            bubbles.append(1 - busy / longest if longest else 0.0)
+        return {"pipeline": {**self.facts(), "ranks": ranks, "measured_bubble": bubbles}}
 
     @abstractmethod
     def stage_param_bytes(self) -> int:

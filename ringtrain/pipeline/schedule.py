@@ -16,6 +16,7 @@ idle for a fraction ``(S - 1) / (M + S - 1)`` of the step (the "bubble"), in bot
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -61,11 +62,14 @@ class Timeline:
         return 1.0 - busy / (len(self.ops) * self.makespan)
 
 
-def simulate(schedule: str, stages: int, micro: int, forward: float = 1.0,
-             backward: float = 2.0) -> Timeline:
+def simulate(schedule: str, stages: int, micro: int, forward: float | Sequence[float] = 1.0,
+             backward: float | Sequence[float] = 2.0) -> Timeline:
     """Replay the schedule: every stage runs its ops in order, each op as soon as its input is
     there (a forward needs the previous stage's forward of that micro-batch, a backward the next
-    stage's backward, the last stage's backward its own forward); messages take no time."""
+    stage's backward, the last stage's backward its own forward); messages take no time.
+    ``forward``/``backward``: one op's time, the same for every stage or one per stage."""
+    fwd = [forward] * stages if isinstance(forward, (int, float)) else list(forward)
+    bwd = [backward] * stages if isinstance(backward, (int, float)) else list(backward)
     orders = [stage_ops(schedule, stages, s, micro) for s in range(stages)]
     done: dict[tuple[int, Op], float] = {}
     timeline: list[list[tuple[Op, float, float]]] = [[] for _ in range(stages)]
@@ -84,7 +88,7 @@ def simulate(schedule: str, stages: int, micro: int, forward: float = 1.0,
             if needs is not None and needs not in done:
                 continue
             start = max(clock[s], done[needs] if needs else 0.0)
-            end = start + (forward if kind == FORWARD else backward)
+            end = start + (fwd[s] if kind == FORWARD else bwd[s])
             done[(s, op)] = clock[s] = end
             timeline[s].append((op, start, end))
             position[s] += 1
