@@ -6,10 +6,16 @@ PY := $(VENV)/bin/python
 NP ?= 4
 ARGS ?=
 
-.PHONY: setup setup-ray run run-tf test lint bench bench-quick bench-cluster
+.PHONY: setup setup-ray run run-tf test lint bench bench-quick bench-cluster wheel
 
 setup:
 	bash .ci/setup
+
+# The patched Horovod as a wheel in dist/ for your own scripts (docs/healed-horovod.md):
+# horovod-0.28.1+ringtrain.<series hash>-...whl, the one setup built and cached (never built twice);
+# it prints the Python, torch, TensorFlow, MPI and compiler the wheel is bound to.
+wheel: setup
+	bash .ci/wheel
 
 run: setup
 	$(VENV)/bin/horovodrun -np $(NP) $(PY) -m launch.torch_mnist $(ARGS)

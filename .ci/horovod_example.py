@@ -29,7 +29,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from launch import mnist  # noqa: E402
+from ringtrain.data import mnist  # noqa: E402
 
 STEPS = int(os.environ.get("HVD_EXAMPLE_STEPS", "20"))
 EPOCHS = int(os.environ.get("HVD_EXAMPLE_EPOCHS", "2"))

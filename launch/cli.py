@@ -15,15 +15,17 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from ringtrain import flags
-from ringtrain.errors import UserError, launcher_rank
+from ringtrain.errors import UserError, launcher_rank, printable
 
 USAGE_EXIT_CODE = 2
 
 
 def fail(message: str) -> NoReturn:
-    """Print ``message`` once (rank 0) as one line and exit with the usage status."""
+    """Print ``message`` once (rank 0) as one line and exit with the usage status.  One line
+    whatever it quotes: a newline or an escape code in a flag's value or a file's name is shown
+    as ``?`` (:func:`ringtrain.errors.printable`)."""
     if launcher_rank() == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print(f"error: {printable(message, 4000)}", file=sys.stderr, flush=True)
     sys.exit(USAGE_EXIT_CODE)
 
 

@@ -2,7 +2,7 @@
 
 Only one framework's Horovod module may be loaded per process (two copies of Horovod's native
 library otherwise), so the trainer is imported lazily, by name, after checking that the framework,
-Horovod's extension for it, and Horovod's build (the patch it was built from) are what this
+Horovod's extension for it, and Horovod's build (the patch series it was built from) are what this
 checkout needs; each problem is one clear line.  The library (``ringtrain``) never imports this
 module: commands call the library, not the other way round.
 """
@@ -31,21 +31,35 @@ TRAINERS = {"torch": ("torch_models.train", "torch_models.elastic"),
 PIPELINE_TRAINERS = {"torch": "torch_models.pipeline", "tf": "tf_models.pipeline"}
 _PACKAGES = {"torch": ("torch", "horovod.torch"), "tf": ("tensorflow", "horovod.tensorflow")}
 _INSTALL_HINT = "run 'make setup' (or bash .ci/setup) to install the pinned stack and build Horovod"
-# The patch this checkout builds Horovod with; absent where ringtrain is installed without it.
-CHECKOUT_PATCH = Path(__file__).resolve().parents[1] / ".ci" / "horovod-0.28.1.patch"
+# The patch series this checkout builds Horovod with; absent where ringtrain is installed without it.
+CHECKOUT_SERIES = Path(__file__).resolve().parents[1] / ".ci" / "horovod-patches"
 ANY_HOROVOD = "RINGTRAIN_ANY_HOROVOD"  # =1: run on whatever Horovod is installed
 
 
-def horovod_build_problem(patch: Path = CHECKOUT_PATCH, package_dir: Path | None = None) -> str | None:
+def series_sha256(series: Path) -> str:
+    """The patch series' hash, as .ci/horovod-build.sh's ``series_sha256`` computes it: the SHA-256
+    of one line ``<sha256 of the patch>  <name>`` per patch, in the order of ``series/series``
+    (comments and blank lines aside).  A patch the series names but lacks: FileNotFoundError."""
+    lines = []
+    for line in (series / "series").read_text().splitlines():
+        name = line.split("#", 1)[0].strip()
+        if name:
+            lines.append(f"{hashlib.sha256((series / name).read_bytes()).hexdigest()}  {name}\n")
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def horovod_build_problem(series: Path = CHECKOUT_SERIES, package_dir: Path | None = None) -> str | None:
     """Why the installed Horovod is not the one this checkout builds, or None.
 
-    ``make setup`` records the patch's SHA-256 inside the Horovod it builds
+    ``make setup`` records the patch series' hash inside the Horovod it builds
     (``horovod/_ringtrain_patch.py``, .ci/horovod-build.sh).  Another build (PyPI's, a container's,
     one of an older checkout) runs, but without fixes the trainers rely on: upstream 0.28.1's
     Keras optimizer skipped the allreduce on Keras 3 and ranks trained apart without an error.
-    Read as text, without importing Horovod.
+    Read as text, without importing Horovod.  Where ringtrain is installed without its
+    checkout (``pip install .``: no patch beside the package), the patch's version cannot be
+    compared, but a Horovod that records none is still refused.
     """
-    if not patch.is_file() or os.environ.get(ANY_HOROVOD) == "1":
+    if os.environ.get(ANY_HOROVOD) == "1":
         return None
     if package_dir is None:
         spec = importlib.util.find_spec("horovod")
@@ -54,11 +68,21 @@ def horovod_build_problem(patch: Path = CHECKOUT_PATCH, package_dir: Path | None
         package_dir = Path(next(iter(spec.submodule_search_locations)))
     record = package_dir / "_ringtrain_patch.py"
     found = re.search(r'PATCH_SHA256 = "([0-9a-f]+)"', record.read_text()) if record.is_file() else None
-    want = hashlib.sha256(patch.read_bytes()).hexdigest()
+    if not (series / "series").is_file():
+        if found:
+            return None  # built by ringtrain's setup; which series, only a checkout can tell
+        want = ""
+    else:
+        try:
+            want = series_sha256(series)
+        except FileNotFoundError as err:
+            return (f"this checkout's Horovod patch series is incomplete ({err.filename} is "
+                    "missing): restore it with git")
     if found and found.group(1) == want:
         return None
-    what = (f"was built from another version of the patch ({found.group(1)[:10]}, this checkout's is "
-            f"{want[:10]})" if found else "was not built by ringtrain's setup (it records no patch)")
+    what = (f"was built from another version of the patch series ({found.group(1)[:10]}, this "
+            f"checkout's is {want[:10]})" if found else
+            "was not built by ringtrain's setup (it records no patch series)")
     return (f"the Horovod in {package_dir.parent} {what}, so it lacks fixes the trainers rely on; "
             f"run 'make setup' to rebuild it (or set {ANY_HOROVOD}=1 to use it anyway)")
 

@@ -8,6 +8,7 @@ commands (:func:`launch.cli.run_cli`) print it once and exit with status 2.
 from __future__ import annotations
 
 import os
+import unicodedata
 
 _RANK_ENV_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
@@ -23,3 +24,11 @@ def launcher_rank() -> int:
         if value is not None and value.isdigit():
             return int(value)
     return 0
+
+
+def printable(text: str, limit: int = 160) -> str:
+    """``text`` fit for one line of a terminal: whitespace runs (newlines too) as one space,
+    other control and format characters (escape codes, bidi overrides) as ``?``, at most
+    ``limit`` characters.  For anything that came from a file or a peer."""
+    text = "".join("?" if unicodedata.category(c)[0] == "C" else c for c in " ".join(str(text).split()))
+    return text if len(text) <= limit else text[:limit - 3] + "..."

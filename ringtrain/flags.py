@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ringtrain import model_spec
-from ringtrain.data import dataset, mnist
+from ringtrain.data import dataset, images, mnist
 from ringtrain.errors import UserError
 from ringtrain.lr import DECAY_RULES, SCALING_RULES
 from ringtrain.pipeline.placement import check_world as check_pipeline_world
@@ -69,6 +69,10 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="with --data folder:DIR: per-channel mean and std computed from 1000 "
                         "training images (data, the default), or ImageNet's (imagenet); both "
                         "are recorded in the summary and the checkpoints")
+    g.add_argument("--max-image-pixels", type=int, default=images.MAX_PIXELS, metavar="N",
+                   help=f"with --data folder:DIR: refuse images of more than N pixels, read from "
+                        f"their headers before decoding (default {images.MAX_PIXELS:,}: a "
+                        f"24-megapixel photo fits)")
     g.add_argument("--workers", type=int, default=None,
                    help="processes (PyTorch) or threads (TensorFlow) per rank that decode images "
                         "of a folder or your own data (default: the cores a rank has, at least 1)")
@@ -146,6 +150,11 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     if kind != "folder" and args.image_size is not None:
         raise UserError("--image-size works with --data folder:DIR only; your own data's images "
                         "arrive at their size")
+    if args.max_image_pixels < 1:
+        raise UserError(f"--max-image-pixels must be a positive number of pixels, got "
+                        f"{args.max_image_pixels}")
+    if kind != "folder" and args.max_image_pixels != images.MAX_PIXELS:
+        raise UserError("--max-image-pixels works with --data folder:DIR only; drop it")
     if args.workers is not None and args.workers < 0:
         raise UserError(f"--workers must be 0 (decode in the training process) or more, got "
                         f"{args.workers}")

@@ -61,13 +61,13 @@ class Bus:
             return list(np.sum(np.asarray(self._exchange(rank, "sum", name, list(values)),
                                           np.float64), axis=0))
 
-        def broadcast(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-            return self._exchange(rank, "broadcast", str(name), obj)[root_rank]
+        def broadcast(array: np.ndarray, name: str) -> np.ndarray:
+            return np.array(self._exchange(rank, "broadcast", name, np.array(array))[0])
 
-        def gather(obj: Any, name: str | None = None) -> list[Any]:
-            return self._exchange(rank, "allgather", str(name), obj)
+        def gather(array: np.ndarray, name: str) -> np.ndarray:
+            return np.concatenate(self._exchange(rank, "allgather", name, np.array(array)))
 
-        return Collectives(sum=total, broadcast_object=broadcast, allgather_object=gather)
+        return Collectives(sum=total, broadcast=broadcast, allgather=gather)
 
     def average(self, rank: int, grads: np.ndarray, name: str) -> np.ndarray:
         """Horovod's gradient allreduce (average) on this bus."""

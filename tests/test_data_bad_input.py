@@ -192,7 +192,7 @@ def user_path(tmp_path_factory) -> Path:
     ("nosuchpkg.data:make", "--data nosuchpkg.data:make: cannot import nosuchpkg.data"),
     ("baddata:fails", "calling it as fails(split='train') failed: ValueError: the bucket is empty"),
     ("baddata:not_a_dataset", "returned a builtins.int for split='train', not a map-style dataset"),
-    ("baddata:pil_images", "--framework torch needs a float tensor [channels, height, width]"),
+    ("baddata:pil_images", "is a PIL.Image.Image; --framework torch needs a tensor or array of numbers"),
     ("baddata:no_classes", "give the training split a 'classes' attribute"),
 ])
 def test_a_bad_data_function(spec, needle, user_path):

@@ -1,4 +1,4 @@
-"""Guards of Horovod's own API as ringtrain builds it (.ci/horovod-0.28.1.patch) on Keras 3 and
+"""Guards of Horovod's own API as ringtrain builds it (.ci/horovod-patches/) on Keras 3 and
 torch 2.14: what users' scripts call, not ringtrain's trainers (docs/horovod-suite.md).
 
 The checks run in two launched jobs (``tests/horovod_api_probe.py``, one per framework, at

@@ -1,9 +1,9 @@
-"""A Horovod built from another patch never runs silently: the trainers and setup refuse it.
+"""A Horovod built from another patch series never runs silently: the trainers and setup refuse it.
 
-``make setup`` records the patch's SHA-256 inside the Horovod wheel it builds
-(``horovod/_ringtrain_patch.py``).  A stale wheel (an older checkout's patch) or a foreign one
-(PyPI's, a container's) lacks fixes the trainers rely on; upstream 0.28.1 on Keras 3 trained ranks
-apart without an error.
+``make setup`` records the series' hash (.ci/horovod-build.sh: series_sha256) inside the Horovod
+wheel it builds (``horovod/_ringtrain_patch.py``).  A stale wheel (an older checkout's series) or a
+foreign one (PyPI's, a container's) lacks fixes the trainers rely on; upstream 0.28.1 on Keras 3
+trained ranks apart without an error.
 """
 
 from __future__ import annotations
@@ -18,31 +18,77 @@ from pathlib import Path
 import pytest
 from conftest import REPO, one_error_line, requires_horovod, run
 
-from launch.dispatch import ANY_HOROVOD, horovod_build_problem
+from launch.dispatch import ANY_HOROVOD, horovod_build_problem, series_sha256
 
-PATCH = REPO / ".ci" / "horovod-0.28.1.patch"
+SERIES = REPO / ".ci" / "horovod-patches"
 
 
-def record(folder: Path, patch_bytes: bytes | None) -> Path:
+def record(folder: Path, sha: str | None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    if patch_bytes is not None:
-        sha = hashlib.sha256(patch_bytes).hexdigest()
+    if sha is not None:
         (folder / "_ringtrain_patch.py").write_text(f'PATCH_SHA256 = "{sha}"\n')
     return folder
 
 
-def test_the_build_check_accepts_only_the_checkouts_patch(tmp_path, monkeypatch):
+def shell_series_sha256(series: Path) -> str:
+    """The series' hash as setup computes it (.ci/horovod-build.sh)."""
+    script = f'source {REPO / ".ci" / "horovod-build.sh"}; series_sha256 "$1"'
+    proc = subprocess.run(["bash", "-c", script, "x", str(series)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_the_series_hash_covers_order_names_and_content(tmp_path):
+    """Setup (bash) and the trainers' check (Python) hash a series alike, and the hash moves with
+    each patch's content, name and place in the series, not with the series file's comments."""
+    series = tmp_path / "s"
+    series.mkdir()
+    (series / "a.patch").write_bytes(b"one\n")
+    (series / "b.patch").write_bytes(b"two\n")
+    (series / "series").write_text("# comment\na.patch\n\nb.patch  # trailing comment\n")
+    first = series_sha256(series)
+    assert first == shell_series_sha256(series)
+    lines = "".join(f"{hashlib.sha256(c).hexdigest()}  {n}\n" for n, c in [("a.patch", b"one\n"),
+                                                                          ("b.patch", b"two\n")])
+    assert first == hashlib.sha256(lines.encode()).hexdigest()
+    (series / "series").write_text("a.patch\nb.patch\n")
+    assert series_sha256(series) == first
+    (series / "series").write_text("b.patch\na.patch\n")
+    assert series_sha256(series) != first
+    (series / "series").write_text("a.patch\nb.patch\n")
+    (series / "b.patch").write_bytes(b"two!\n")
+    assert series_sha256(series) != first and series_sha256(series) == shell_series_sha256(series)
+
+
+def test_the_build_check_accepts_only_the_checkouts_series(tmp_path, monkeypatch):
     monkeypatch.delenv(ANY_HOROVOD, raising=False)
-    patch = tmp_path / "p.patch"
-    patch.write_bytes(b"the patch\n")
-    assert horovod_build_problem(patch, record(tmp_path / "same", b"the patch\n")) is None
-    stale = horovod_build_problem(patch, record(tmp_path / "stale", b"an older patch\n"))
-    assert "was built from another version of the patch" in stale and "make setup" in stale, stale
-    foreign = horovod_build_problem(patch, record(tmp_path / "foreign", None))
+    series = tmp_path / "series-dir"
+    series.mkdir()
+    (series / "fix.patch").write_bytes(b"the patch\n")
+    (series / "series").write_text("fix.patch\n")
+    want = series_sha256(series)
+    assert horovod_build_problem(series, record(tmp_path / "same", want)) is None
+    stale = horovod_build_problem(series, record(tmp_path / "stale", "0" * 64))
+    assert "was built from another version of the patch series" in stale and "make setup" in stale, stale
+    foreign = horovod_build_problem(series, record(tmp_path / "foreign", None))
     assert "was not built by ringtrain's setup" in foreign and ANY_HOROVOD in foreign, foreign
+    (series / "series").write_text("fix.patch\nlost.patch\n")
+    incomplete = horovod_build_problem(series, record(tmp_path / "incomplete", want))
+    assert "incomplete" in incomplete and "lost.patch" in incomplete, incomplete
     monkeypatch.setenv(ANY_HOROVOD, "1")
-    assert horovod_build_problem(patch, record(tmp_path / "foreign2", None)) is None
-    assert horovod_build_problem(tmp_path / "no-patch-here", record(tmp_path / "f3", None)) is None
+    assert horovod_build_problem(series, record(tmp_path / "foreign2", None)) is None
+    assert horovod_build_problem(tmp_path / "no-series-here", record(tmp_path / "f3", None)) is None
+
+
+def test_without_a_checkout_a_horovod_that_records_no_patch_is_still_refused(tmp_path, monkeypatch):
+    """ringtrain installed without its checkout (``pip install .``: no patch beside the package)
+    cannot tell which patch a build records, but PyPI's Horovod, which records none, is still one
+    line (the check used to switch itself off there)."""
+    monkeypatch.delenv(ANY_HOROVOD, raising=False)
+    nowhere = tmp_path / "no-patch-here"
+    foreign = horovod_build_problem(nowhere, record(tmp_path / "foreign", None))
+    assert foreign and "was not built by ringtrain's setup" in foreign, foreign
+    assert horovod_build_problem(nowhere, record(tmp_path / "ours", b"some patch\n")) is None
 
 
 @requires_horovod
@@ -51,17 +97,19 @@ def test_the_installed_build_is_this_checkouts():
 
 
 @requires_horovod
-def test_a_checkout_with_another_patch_refuses_the_installed_horovod(tmp_path):
-    """The same code beside a changed patch (a pull without 'make setup'): one line, exit 2,
+def test_a_checkout_with_another_series_refuses_the_installed_horovod(tmp_path):
+    """The same code beside a changed patch series (a pull without 'make setup'): one line, exit 2,
     before any framework loads."""
     copy = tmp_path / "checkout"
     for package in ("launch", "torch_models", "tf_models"):
         shutil.copytree(REPO / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / ".ci").mkdir()
-    (copy / ".ci" / PATCH.name).write_bytes(PATCH.read_bytes() + b"# one more fix\n")
+    shutil.copytree(SERIES, copy / ".ci" / SERIES.name)
+    last = (copy / ".ci" / SERIES.name / "series").read_text().split()[-1]
+    with open(copy / ".ci" / SERIES.name / last, "ab") as patch:
+        patch.write(b"# one more fix\n")
     proc = run([sys.executable, "-m", "launch.torch_mnist", "--epochs", "1"],
                env={"PYTHONPATH": str(copy)}, cwd=copy)
-    one_error_line(proc, "was built from another version of the patch", "run 'make setup'")
+    one_error_line(proc, "was built from another version of the patch series", "run 'make setup'")
 
 
 def wheel_patch(wheel: Path) -> str:
@@ -88,7 +136,7 @@ def test_setup_reads_the_patch_a_wheel_records(tmp_path):
 
 @requires_horovod
 def test_setup_refuses_a_foreign_wheel_in_its_cache(tmp_path):
-    """A wheel under this checkout's cache key that was not built from its patch: setup stops with
+    """A wheel under this checkout's cache key that was not built from its series: setup stops with
     one line instead of installing it.  The throwaway venv borrows the installed stack (a .pth
     file), so setup gets to its cache within seconds and installs nothing."""
     key_file = Path(sys.prefix) / ".horovod-key"
@@ -111,6 +159,6 @@ def test_setup_refuses_a_foreign_wheel_in_its_cache(tmp_path):
     errors = [ln for ln in proc.stderr.splitlines() if "ERROR:" in ln]
     assert len(errors) == 1, proc.stderr[-2000:]
     for needle in (f"the cached Horovod wheel in {wheel_dir} was not built from this checkout's "
-                   f".ci/horovod-0.28.1.patch", "it records patch 'none'", "delete that folder"):
+                   f".ci/horovod-patches", "it records patch series 'none'", "delete that folder"):
         assert needle in errors[0], errors[0]
     assert not (venv / ".horovod-key").exists()

@@ -59,7 +59,7 @@ def test_every_rank_issues_the_same_collectives_in_the_same_order():
     assert calls[0] == calls[1] == calls[2]
     names = [name for _, name in calls[0]]
     assert names.count("train_loss") == 2 and names.count("eval_totals") == 2
-    assert names[-1] == "checksums"
+    assert names[-2:] == ["checksums.sizes", "checksums.data"]
 
 
 def test_the_loss_falls_and_the_summary_is_exact():
@@ -147,7 +147,8 @@ def test_a_resumed_run_trains_only_the_epochs_left():
 def test_a_run_resumed_at_its_end_only_evaluates():
     summary, run, bus = fixed_job(2, Problem(), batch_size=4, epochs=2, start_epoch=2)[0]
     assert summary.epochs == [] and run.read == [] and summary.final_test_accuracy is not None
-    assert [name for _, name in bus.calls[0]][-2:] == ["eval_totals", "checksums"]
+    assert [name for _, name in bus.calls[0]][-3:] == ["eval_totals", "checksums.sizes",
+                                                       "checksums.data"]
 
 
 def test_checkpoints_follow_the_flag_and_rank_0_writes_them():

@@ -342,7 +342,8 @@ def test_user_error_in_the_workers_is_one_line(tmp_path):
 
 def test_kuberay_manifest_is_valid_yaml_with_a_valid_command():
     """docs/kuberay-ringtrain.yaml (not run on Kubernetes here): valid YAML, a RayJob whose Ray
-    version is the one constraints.txt pins, and an entrypoint this launcher accepts."""
+    version is the one constraints.txt pins, with Ray's token authentication, and an entrypoint
+    this launcher accepts."""
     import shlex
 
     import yaml
@@ -355,6 +356,7 @@ def test_kuberay_manifest_is_valid_yaml_with_a_valid_command():
                   if line.startswith("ray=="))
     cluster = doc["spec"]["rayClusterSpec"]
     assert cluster["rayVersion"] == pinned
+    assert cluster["authOptions"] == {"mode": "token"}, "Ray's ports without its token authentication"
     pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
     assert all(c["image"] for p in pods for c in p["template"]["spec"]["containers"])
     words = shlex.split(doc["spec"]["entrypoint"])

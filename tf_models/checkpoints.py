@@ -7,6 +7,11 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
+import re
+import zipfile
+from pathlib import Path
+from typing import BinaryIO
 
 import keras
 import numpy as np
@@ -56,33 +61,80 @@ def _restore(variables: list, arrays: dict, prefix: str, path) -> None:
             raise UserError(f"{path}: {prefix} variable {var.path} has shape "
                             f"{tuple(arrays[key].shape)} there, {tuple(var.shape)} here; use "
                             f"another --checkpoint-dir")
-        var.assign(arrays[key])
+        try:
+            var.assign(arrays[key])
+        except Exception as err:  # Keras and TF raise several types for a value of another dtype
+            raise checkpoint.not_ours(path, f"holds {key} of type {arrays[key].dtype}, which "
+                                            f"{var.path} cannot take ({type(err).__name__})") from None
 
 
-def read(path) -> tuple[object, dict]:
-    """``(metadata, arrays)`` of one ``.npz``, read with ``allow_pickle=False``: an object array
-    (a pickle inside) is refused, never unpickled."""
+# The members :func:`save` writes: the metadata and numbered arrays, nothing else.
+_MEMBER = re.compile(r"^(meta|(model|optimizer|rng)_\d{4,})\.npy$")
+_KINDS = "biufU"  # what those arrays are: numbers, and the metadata's text
+
+
+def expected_member(name: str) -> bool:
+    return _MEMBER.match(name) is not None
+
+
+def _array(archive: zipfile.ZipFile, member: zipfile.ZipInfo) -> np.ndarray:
+    """One ``.npy`` member, read only once its header's shape and type account for exactly the
+    bytes that follow (NumPy's reader allocates what the header claims before it reads).  An
+    object array (a pickle inside) is refused, never unpickled."""
+    with archive.open(member) as f:
+        version = np.lib.format.read_magic(f)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, fortran, dtype = read_header(f)
+        if dtype.hasobject:
+            raise _ObjectArray
+        count = math.prod(shape)
+        if dtype.kind not in _KINDS or dtype.itemsize == 0 or dtype.fields is not None:
+            raise ValueError(f"array of type {dtype}")
+        body = f.read()
+    if len(body) != count * dtype.itemsize or min(shape, default=0) < 0:
+        raise ValueError("array size unlike its header's")
+    return np.frombuffer(body, dtype).reshape(shape, order="F" if fortran else "C")
+
+
+class _ObjectArray(Exception):
+    pass
+
+
+def read(fh: BinaryIO, path: Path) -> tuple[object, dict]:
+    """``(metadata, arrays)`` of one ``.npz`` (``fh``, open on ``path``, its members checked by
+    :func:`ringtrain.output.checkpoint.check_archive`), read member by member: an object array
+    is refused, never unpickled."""
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {key: npz[key] for key in npz.files}
-        meta = json.loads(str(arrays["meta"])) if "meta" in arrays else None
-    except ValueError as err:
-        if "allow_pickle" in str(err):
-            raise checkpoint.refused(path, "holds pickled Python objects") from None
-        raise checkpoint.Damaged(type(err).__name__) from None
+        with zipfile.ZipFile(fh) as archive:
+            arrays = {member.filename[:-len(".npy")]: _array(archive, member)
+                      for member in archive.infolist() if expected_member(member.filename)}
+        meta = arrays.get("meta")
+        if meta is not None and (meta.dtype.kind != "U" or meta.ndim != 0):
+            raise ValueError("metadata is not one text")
+        meta = json.loads(str(meta)) if meta is not None else None
+    except _ObjectArray:
+        raise checkpoint.refused(path, "holds pickled Python objects") from None
     except Exception as err:  # zipfile, numpy and json raise many types for damaged files
         raise checkpoint.Damaged(type(err).__name__) from None
     return meta, arrays
 
 
+def _check_finite(arrays: dict, path: Path) -> None:
+    for key, array in arrays.items():
+        if key.startswith(("model_", "optimizer_")) and array.dtype.kind == "f" \
+                and not np.isfinite(array).all():
+            raise checkpoint.not_finite(path, key)
+
+
 def restore(path_dir: str, net: keras.Model, optimizer, identity: RunIdentity) -> int:
     """Restore rank 0's model/optimizer from the newest intact checkpoint; return its epoch (0 if
     there is none)."""
-    found = checkpoint.restore_newest(path_dir, EXT, read, identity)
+    found = checkpoint.restore_newest(path_dir, EXT, read, identity, expected=expected_member)
     if found is None:
         return 0
-    epoch, arrays = found
-    load(arrays, checkpoint.path_for(path_dir, epoch, EXT), net, optimizer)
+    epoch, arrays, path = found
+    load(arrays, path, net, optimizer)
     return epoch
 
 
@@ -90,15 +142,14 @@ def find(path_dir: str, identity: RunIdentity, stage: tuple[int, int],
          at_most: int | None = None) -> tuple[int, tuple] | None:
     """A pipeline stage's newest intact checkpoint (of epoch ``at_most`` or before): ``(epoch,
     (arrays, path))``, or None."""
-    found = checkpoint.restore_newest(path_dir, EXT, read, identity, stage, at_most)
-    if found is None:
-        return None
-    epoch, arrays = found
-    return epoch, (arrays, checkpoint.path_for(path_dir, epoch, EXT, stage))
+    found = checkpoint.restore_newest(path_dir, EXT, read, identity, expected=expected_member,
+                                      stage=stage, at_most=at_most)
+    return None if found is None else (found[0], (found[1], found[2]))
 
 
 def load(arrays: dict, path, net: keras.Model, optimizer) -> None:
     """A checkpoint's arrays into the model, its optimizer and its dropout seed state."""
+    _check_finite(arrays, path)
     _restore(net.weights, arrays, "model", path)
     opt_vars = optimizer.variables
     if len([k for k in arrays if k.startswith("optimizer_")]) == len(opt_vars) - 1:

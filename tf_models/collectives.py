@@ -16,9 +16,11 @@ from ringtrain.training.world import Collectives
 from tf_models.horovod_keras import allreduce_sums
 
 VERSIONS = {"tensorflow": tf.__version__, "keras": keras.__version__, "horovod": horovod.__version__}
-COLLECTIVES = Collectives(sum=lambda values, name: allreduce_sums(values, name=name).tolist(),
-                          broadcast_object=hvd.broadcast_object,
-                          allgather_object=hvd.allgather_object)
+# Plain arrays only: World sends JSON in them (ringtrain.training.wire), never a pickle.
+COLLECTIVES = Collectives(
+    sum=lambda values, name: allreduce_sums(values, name=name).tolist(),
+    broadcast=lambda array, name: hvd.broadcast(tf.constant(array), root_rank=0, name=name).numpy(),
+    allgather=lambda array, name: hvd.allgather(tf.constant(array), name=name).numpy())
 
 
 def average_statistics(net: keras.Model, process_set=hvd.global_process_set) -> None:

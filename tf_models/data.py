@@ -173,8 +173,8 @@ def open_data(args: argparse.Namespace, world: World | None, local_size: int) ->
 def first_input(spec: str, split: str, ds) -> tuple[tuple[int, ...], str, bool]:
     """Item 0's input of ``split``: its shape, what it trains as, whether it is an image."""
     x, _ = user_data.first_item(spec, split, ds)
-    try:
-        array = np.asarray(x)
+    try:  # an array or a tensor; not a PIL image, which would pass as numbers of another layout
+        array = np.asarray(x) if isinstance(x, np.ndarray) or hasattr(x, "numpy") else None
     except Exception:
         array = None
     if array is None or array.dtype == object:

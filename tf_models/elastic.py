@@ -19,6 +19,8 @@ from horovod.common.elastic import run_fn
 
 from ringtrain.output.summary import Summary
 from ringtrain.training import elastic
+from ringtrain.training.world import state_broadcast
+from tf_models.collectives import COLLECTIVES
 from tf_models.horovod_keras import ElasticKerasState, peer_failures_roll_back
 from tf_models.run import KerasRun
 
@@ -26,7 +28,9 @@ from tf_models.run import KerasRun
 def train(args: argparse.Namespace) -> Summary:
     run = KerasRun(args, elastic=True)  # Horovod: initialise, pin, wrap (inside)
     # Horovod: the elastic state broadcasts rank 0's weights and optimizer at every (re)start.
-    state = ElasticKerasState(run.net, run.optimizer, **elastic.initial_state(run.start_epoch))
+    state = ElasticKerasState(run.net, run.optimizer,
+                              bcast_object=state_broadcast(COLLECTIVES, hvd.rank),
+                              **elastic.initial_state(run.start_epoch))  # plain data, not pickles
 
     def train_world(state) -> Summary:
         with peer_failures_roll_back():

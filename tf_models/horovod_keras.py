@@ -1,4 +1,4 @@
-"""What Horovod's Keras API (as patched by ``.ci/horovod-0.28.1.patch``) still lacks for ringtrain.
+"""What Horovod's Keras API (as patched by ``.ci/horovod-patches/``) still lacks for ringtrain.
 
 The fixed-size trainer (:mod:`tf_models.train`) uses Horovod's own ``hvd.DistributedOptimizer``,
 ``BroadcastGlobalVariablesCallback`` and ``model.fit``.  What remains here:
@@ -98,11 +98,12 @@ class ElasticKerasState(ObjectState):
     before creating it.
     """
 
-    def __init__(self, model: keras.Model, optimizer, **kwargs) -> None:
+    def __init__(self, model: keras.Model, optimizer, bcast_object=hvd.broadcast_object,
+                 **kwargs) -> None:
         self.model, self.optimizer = model, optimizer
         self._tracked = [*model.weights, *optimizer.variables]
         self._saved_values = [np.array(v.numpy()) for v in self._tracked]
-        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **kwargs)
+        super().__init__(bcast_object=bcast_object, get_rank=hvd.rank, **kwargs)
 
     def save(self) -> None:
         self._saved_values = [np.array(v.numpy()) for v in self._tracked]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import horovod
 import horovod.torch as hvd
+import numpy as np
 import torch
 
 from ringtrain.training.world import Collectives
@@ -16,8 +17,16 @@ def _sum(values, name: str) -> list[float]:
     return hvd.allreduce(torch.tensor(values, dtype=torch.float64), op=hvd.Sum, name=name).tolist()
 
 
-COLLECTIVES = Collectives(sum=_sum, broadcast_object=hvd.broadcast_object,
-                          allgather_object=hvd.allgather_object)
+def _broadcast(array: np.ndarray, name: str) -> np.ndarray:
+    return hvd.broadcast(torch.from_numpy(array), root_rank=0, name=name).numpy()
+
+
+def _allgather(array: np.ndarray, name: str) -> np.ndarray:
+    return hvd.allgather(torch.from_numpy(array), name=name).numpy()
+
+
+# Plain arrays only: World sends JSON in them (ringtrain.training.wire), never a pickle.
+COLLECTIVES = Collectives(sum=_sum, broadcast=_broadcast, allgather=_allgather)
 
 
 def average_buffers(model, process_set=hvd.global_process_set) -> None:

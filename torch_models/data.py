@@ -259,8 +259,8 @@ def open_data(args: argparse.Namespace, world: World | None, device: torch.devic
 def first_input(spec: str, split: str, ds) -> tuple[tuple[int, ...], str, bool]:
     """Item 0's input of ``split``: its shape, what it trains as, whether it is an image."""
     x, _ = user_data.first_item(spec, split, ds)
-    try:
-        tensor = torch.as_tensor(x)
+    try:  # a tensor or an array; not a PIL image (a transform ending in ToTensor() is missing)
+        tensor = torch.as_tensor(x) if isinstance(x, (torch.Tensor, np.ndarray)) else None
     except Exception:
         tensor = None
     if tensor is None:

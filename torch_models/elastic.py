@@ -19,6 +19,8 @@ import torch
 from ringtrain.output.summary import Summary
 from ringtrain.runtime import threads_per_rank
 from ringtrain.training import elastic
+from ringtrain.training.world import state_broadcast
+from torch_models.collectives import COLLECTIVES
 from torch_models.run import TorchRun
 
 
@@ -26,6 +28,10 @@ def train(args: argparse.Namespace) -> Summary:
     run = TorchRun(args, elastic=True)  # Horovod: initialise, pin, wrap (inside)
     # Horovod: the elastic state broadcasts rank 0's weights and optimizer at every (re)start.
     state = hvd.elastic.TorchState(run.model, run.optimizer, **elastic.initial_state(run.start_epoch))
+    # Its plain attributes as JSON, not cloudpickle (TorchState takes no bcast_object; 0.28.1's
+    # State and ObjectState both call this attribute).  The optimizer's own sync still pickles
+    # its scalar options: docs/security.md.
+    state._bcast_object = state_broadcast(COLLECTIVES, hvd.rank)
     # Horovod: after a re-form, this host's cores split among its ranks of the new world.
     set_threads = lambda: torch.set_num_threads(threads_per_rank(hvd.local_size()))  # noqa: E731
     state.register_reset_callbacks([set_threads])

@@ -178,9 +178,10 @@ class TorchPipelineRun(pipeline.PipelineRun):
         return checkpoints.find(self.args.checkpoint_dir, self.identity,
                                 (self.place.stage, self.place.stages), at_most)
 
-    def load(self, state) -> None:
-        self.check_loaded(state.get("meta"), f"stage {self.place.stage}'s checkpoint")
-        checkpoints.load(state, self.stage, self.optimizer)
+    def load(self, found) -> None:
+        state, path = found
+        self.check_loaded(state.get("meta"), path)
+        checkpoints.load(state, path, self.stage, self.optimizer)
 
     def parameters(self) -> list[np.ndarray]:
         return parameters(self.stage)

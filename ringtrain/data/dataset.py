@@ -135,6 +135,49 @@ class FolderData:
     def split(self, name: str) -> folder.Split:
         return self.index.train if name == "train" else self.index.test
 
+    def to_plain(self) -> dict[str, Any]:
+        """Plain data (the paths and labels as arrays) that rank 0 sends the other ranks
+        (:mod:`ringtrain.training.wire`), so that every rank shards the same list."""
+        index = self.index
+        return {"info": {**self.info.record(), "name": self.info.name},
+                "index": {"root": index.root, "classes": list(index.classes),
+                          "shape": list(index.shape), "max_pixels": index.max_pixels,
+                          **{name: {"root": part.root, "paths": part.paths, "labels": part.labels}
+                             for name, part in (("train", index.train), ("test", index.test))}}}
+
+    @classmethod
+    def from_plain(cls, plain: Any) -> FolderData:
+        """The :class:`FolderData` that :meth:`to_plain` made ``plain`` from; a ``ValueError`` for
+        anything else (it came from another rank)."""
+        try:
+            info, index = plain["info"], plain["index"]
+            norm = info["normalization"]
+            splits = {}
+            for name in ("train", "test"):
+                part = index[name]
+                paths, labels = part["paths"], part["labels"]
+                if not (isinstance(paths, np.ndarray) and paths.dtype.kind == "S"
+                        and isinstance(labels, np.ndarray) and labels.dtype == np.int64
+                        and paths.shape == labels.shape and paths.ndim == 1):
+                    raise ValueError(f"{name} split")
+                splits[name] = folder.Split(str(part["root"]), paths, labels)
+            data = cls(DataInfo(str(info["spec"]), str(info["name"]),
+                                tuple(int(n) for n in info["input_shape"]), int(info["num_classes"]),
+                                tuple(str(c) for c in info["classes"]), int(info["train_size"]),
+                                int(info["test_size"]),
+                                Normalization(tuple(float(m) for m in norm["mean"]),
+                                              tuple(float(s) for s in norm["std"]),
+                                              str(norm["source"]))),
+                       folder.FolderIndex(str(index["root"]), tuple(str(c) for c in index["classes"]),
+                                          splits["train"], splits["test"],
+                                          tuple(int(n) for n in index["shape"]),
+                                          int(index["max_pixels"])))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"not a folder's index ({type(err).__name__}: {err})") from None
+        if len(data.info.input_shape) != 3 or len(data.index.shape) != 3:
+            raise ValueError("not a folder's index (a shape of other than 3 numbers)")
+        return data
+
     def batch(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, str | None]:
         """Normalised float32 ``[B, H, W, C]``, int64 labels, and the first problem met (a file
         that does not decode): its image is NaN, which ends the run at this step on every rank
@@ -145,7 +188,7 @@ class FolderData:
         problem, bad = None, []
         for row, i in enumerate(indices):
             try:
-                pixels[row] = images.load(part.path(int(i)), shape)
+                pixels[row] = images.load(part.path(int(i)), shape, self.index.max_pixels)
             except images.ImageError as err:
                 problem = problem or f"{err.path} is not a readable image ({err.reason})"
                 bad.append(row)
@@ -168,20 +211,21 @@ def open_builtin(args: argparse.Namespace, download: bool = True) -> ArrayData |
                          arrays.test_images[:n_test], arrays.test_labels[:n_test])
     if kind == "user":
         return None
-    index = folder.scan(what, parse_image_size(args.image_size))
+    max_pixels = args.max_image_pixels
+    index = folder.scan(what, parse_image_size(args.image_size), max_pixels)
     if args.train_samples is not None and args.train_samples > len(index.train.labels):
         raise UserError(f"--train-samples {args.train_samples} is more than the "
                         f"{len(index.train.labels)} training images of --data {args.data}; lower "
                         f"it or drop it")
     index = folder.FolderIndex(index.root, index.classes, index.train.subset(args.train_samples),
-                               index.test.subset(args.test_samples), index.shape)
+                               index.test.subset(args.test_samples), index.shape, max_pixels)
     if args.normalize == "imagenet":
         mean, std = folder.IMAGENET
         if index.shape[2] == 1:  # one channel: the luminance-weighted ImageNet constants
             mean, std = (round(sum(mean) / 3, 6),), (round(sum(std) / 3, 6),)
         norm = Normalization(mean, std, "ImageNet's (--normalize imagenet)")
     else:
-        mean, std = folder.pixel_stats(index.train, index.shape)
+        mean, std = folder.pixel_stats(index.train, index.shape, max_pixels=max_pixels)
         sample = min(folder.STATS_SAMPLE, len(index.train.labels))
         norm = Normalization(mean, std, f"computed from {sample} training images")
     info = DataInfo(args.data, "folder", index.shape, len(index.classes), index.classes,

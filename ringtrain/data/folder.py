@@ -53,9 +53,11 @@ class FolderIndex:
     train: Split
     test: Split
     shape: tuple[int, int, int]  # (height, width, channels) every image is decoded to
+    max_pixels: int = images.MAX_PIXELS  # larger images are refused (--max-image-pixels)
 
 
-def scan(root: str, image_size: tuple[int, int] | None = None) -> FolderIndex:
+def scan(root: str, image_size: tuple[int, int] | None = None,
+         max_pixels: int = images.MAX_PIXELS) -> FolderIndex:
     """Index ``root``; every problem a user can fix is one :class:`UserError` line."""
     top = Path(root)
     if not top.is_dir():
@@ -84,13 +86,13 @@ def scan(root: str, image_size: tuple[int, int] | None = None) -> FolderIndex:
     train = _split(train_dir, classes)
     test = _split(test_dir, classes)
     try:
-        height, width, channels = images.probe(train.path(0))
+        height, width, channels = images.probe(train.path(0), max_pixels)
     except images.ImageError as err:
         raise UserError(f"--data folder:{root}: {err.path} is not a readable image ({err.reason}); "
                         f"replace or remove it") from None
     if image_size is not None:
         height, width = image_size
-    return FolderIndex(str(top), tuple(classes), train, test, (height, width, channels))
+    return FolderIndex(str(top), tuple(classes), train, test, (height, width, channels), max_pixels)
 
 
 def _classes(split_dir: Path) -> list[str]:
@@ -124,8 +126,8 @@ def _split(split_dir: Path, classes: list[str]) -> Split:
     return Split(str(split_dir), np.concatenate(paths), np.concatenate(labels))
 
 
-def pixel_stats(split: Split, shape: tuple[int, int, int],
-                sample: int = STATS_SAMPLE) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def pixel_stats(split: Split, shape: tuple[int, int, int], sample: int = STATS_SAMPLE,
+                max_pixels: int = images.MAX_PIXELS) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel mean and std of ``pixel / 255`` over ``sample`` training images drawn with a
     fixed seed: the same numbers on every rank and every run (integer sums in float64)."""
     picks = fixed_sample(len(split.labels), sample)
@@ -133,7 +135,7 @@ def pixel_stats(split: Split, shape: tuple[int, int, int],
     squares = np.zeros(shape[2], np.float64)
     for i in picks:
         try:
-            pixels = images.load(split.path(i), shape).reshape(-1, shape[2]).astype(np.float64)
+            pixels = images.load(split.path(i), shape, max_pixels).reshape(-1, shape[2]).astype(np.float64)
         except images.ImageError as err:
             raise UserError(f"{err.path} is not a readable image ({err.reason}); replace or remove "
                             f"it") from None

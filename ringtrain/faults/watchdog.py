@@ -20,8 +20,13 @@ seconds and say why:
   (rank, steps done, its address) and rank 0 answers each one.  UDP, not TCP: a heartbeat is
   worth something only while it is fresh, a lost one is simply replaced by the next (so a lossy
   link costs nothing but a few of them), and there is no connection to hang on a dead peer.
-  Rank 0's address is shared once, by the one ``allgather_object`` at start-up, together with a
-  random job token that every datagram must carry.  Rank 0 owns the user-facing line; when rank
+  Rank 0's address is shared once, by the one allgather at start-up (JSON, never a pickle:
+  :mod:`ringtrain.training.wire`), together with a random job key.  Rank 0 listens on the
+  address the job uses (loopback when every rank is on its host, else the launcher's interface),
+  the others on a socket connected to it.  Every datagram carries an HMAC of its body under the
+  key (the key itself never crosses the channel) and a counter that must grow, and rank 0 checks
+  each one's shape and types: anything else is counted and dropped (:meth:`Watchdog.accept`), and
+  text from a peer is printed without its control characters.  Rank 0 owns the user-facing line; when rank
   0 itself is silent, the rank that notices says so instead, and any other rank steps in only
   :data:`GRACE` seconds after rank 0 should have.
 * **Guardian** (every rank, a tiny child process running :mod:`ringtrain.faults.guardian`).  The
@@ -50,6 +55,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -59,6 +66,7 @@ import sys
 import threading
 import time
 
+from ringtrain.errors import printable
 from ringtrain.faults.guardian import GRACE
 from ringtrain.faults.guardian import now as _now
 from ringtrain.faults.guardian import say as _say
@@ -69,6 +77,12 @@ ELASTIC_GRACE = 30.0  # s an elastic worker allows its peers for a re-form beyon
 # with 8 other jobs on the 2 cores here, and a 10 s test timeout fired before training began.
 STARTUP_GRACE = 60.0
 GUARD_FIXED_EXTRA = 2 * GRACE  # fixed jobs: the guardian is the last resort, after the ranks
+MAC_BYTES = 16  # a heartbeat's HMAC-SHA256 of its body, truncated
+MAX_DATAGRAM = 512  # the longest heartbeat: 16 bytes of MAC and a JSON body of ~50 + "o"'s text
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def local_host() -> str:
@@ -116,12 +130,12 @@ def main_thread_outside_frameworks() -> str | None:
 
 def describe(info: dict) -> str:
     """``rank 1 (rt-hostb, 10.251.0.2, pid 4242)`` from a rank's start-up record."""
-    where = [info.get("host", "?")]
-    addr = info.get("addr")
+    where = [printable(info.get("host", "?"), 80)]
+    addr = printable(info.get("addr") or "", 80)
     if addr and not addr.startswith("127.") and addr not in where:
         where.append(addr)
-    where.append(f"pid {info.get('pid', '?')}")
-    return f"rank {info.get('rank', '?')} ({', '.join(where)})"
+    where.append(f"pid {printable(info.get('pid', '?'), 20)}")
+    return f"rank {printable(info.get('rank', '?'), 20)} ({', '.join(where)})"
 
 
 class Watchdog:
@@ -142,30 +156,53 @@ class Watchdog:
         self.peer_steps: dict[int, int] = {}
         self.outside: dict[int, str | None] = {}  # rank -> where its main thread is, if not in
         #                                            Horovod or the framework (None: it is)
-        self.channel: dict | None = None        # rank 0's token, port and addresses
+        self.channel: dict | None = None        # rank 0's record: its key, port and address
+        self.key = b""
         self.waiting: str | None = None         # what the main thread waits for from a peer,
         #                                         outside Horovod (a pipeline's message)
         self.sock: socket.socket | None = None
+        self.sent = 0                           # heartbeats this rank signed (their counter)
+        self.counters: dict[int, int] = {}      # rank -> the counter of its last heartbeat
+        self.dropped = 0                        # datagrams refused by accept()
         self.guard: subprocess.Popen | None = None
         self.lock = threading.Lock()
 
     # --- set-up -----------------------------------------------------------------------------
 
-    def open_channel(self, allgather_object) -> None:
-        """One collective at start-up: every rank learns every rank's record and rank 0's
-        heartbeat address.  Fixed-size jobs only (see the module doc)."""
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("0.0.0.0", 0))
-        self.sock.settimeout(self.tick)
+    def open_channel(self, gather, everyone_here: bool = False) -> None:
+        """One collective at start-up (``gather``: the world's allgather of plain data): every
+        rank learns every rank's record and rank 0's heartbeat address and key.  Fixed-size jobs
+        only (see the module doc).  ``everyone_here``: every rank runs on this host."""
         addrs = local_addresses()
         me = {"rank": self.rank, "host": local_host(), "addr": addrs[0], "pid": os.getpid()}
         if self.rank == 0:
-            me.update(token=secrets.token_hex(8), port=self.sock.getsockname()[1], addrs=addrs)
-        records = allgather_object(me, name="watchdog.ranks")
-        self.peers = {r["rank"]: r for r in records}
-        self.channel = self.peers[0]
+            listen = "127.0.0.1" if everyone_here else addrs[0]
+            self.sock = self._socket(bind=(listen, 0))
+            if self.sock is not None:
+                me.update(key=secrets.token_hex(32), port=self.sock.getsockname()[1], hb=listen)
+        records = gather(me, "watchdog.ranks")
+        self.peers = {int(r["rank"]): r for r in records}
+        channel = self.peers[0]
+        if "key" in channel:
+            self.channel = channel
+            self.key = bytes.fromhex(channel["key"])
+            if self.rank != 0:  # a connected socket: only rank 0's address and port get through
+                self.sock = self._socket(connect=(channel["hb"], channel["port"]))
         now = _now()
         self.seen = {r: now for r in self.peers}
+
+    def _socket(self, bind=None, connect=None) -> socket.socket | None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            if bind is not None:
+                sock.bind(bind)
+            if connect is not None:
+                sock.connect(connect)
+        except OSError:  # no heartbeats for this rank: the clocks still end a stuck job
+            sock.close()
+            return None
+        sock.settimeout(self.tick)
+        return sock
 
     def start_guardian(self) -> None:
         limit = self.timeout + (0 if self.elastic else GUARD_FIXED_EXTRA)
@@ -188,7 +225,11 @@ class Watchdog:
     def run(self) -> None:
         previous = _now()
         while True:
-            self.exchange()
+            try:
+                self.exchange()
+            except Exception:  # never expected (accept() checks every datagram), never fatal:
+                self.dropped += 1  # this thread is what keeps the guardian from killing the rank
+                time.sleep(self.tick)
             self.feed_guardian()
             now = _now()
             if now - previous > max(5.0, 6 * self.tick):
@@ -212,40 +253,63 @@ class Watchdog:
         if self.sock is None or self.channel is None:
             time.sleep(self.tick)
             return
-        token = self.channel["token"]
         # A wait for a peer's message (a pipeline's activations) is a wait for peers, as a
         # collective is, not a rank stuck in its own code.
-        outside = None if self.waiting else main_thread_outside_frameworks()
-        self.outside[self.rank] = outside
-        mine = json.dumps({"t": token, "r": self.rank, "s": self.steps, "o": outside}).encode()
+        where = None if self.waiting else main_thread_outside_frameworks()
+        self.outside[self.rank] = None if where is None else printable(where, 60)  # one datagram
         if self.rank != 0:
-            for addr in self.channel["addrs"]:
-                try:
-                    self.sock.sendto(mine, (addr, self.channel["port"]))
-                except OSError:
-                    pass
+            self._send()
         deadline = _now() + self.tick
         while (left := deadline - _now()) > 0:
             self.sock.settimeout(left)
             try:
-                data, source = self.sock.recvfrom(512)
-                beat = json.loads(data)
+                data, source = self.sock.recvfrom(MAX_DATAGRAM + 1)
             except TimeoutError:
                 break
-            except (OSError, ValueError):
+            except OSError:
                 continue
-            if not isinstance(beat, dict) or beat.get("t") != token:
-                continue  # another job's datagram, or noise
-            rank = beat.get("r")
-            if rank in self.peers:
-                self.seen[rank] = _now()
-                self.peer_steps[rank] = beat.get("s", 0)
-                self.outside[rank] = beat.get("o")
-                if self.rank == 0 and rank != 0:
-                    try:
-                        self.sock.sendto(mine, source)
-                    except OSError:
-                        pass
+            if self.accept(data) is not None and self.rank == 0:
+                self._send(source)  # the answer that tells the rank rank 0 is alive
+
+    def _send(self, to=None) -> None:
+        self.sent += 1
+        body = json.dumps({"r": self.rank, "n": self.sent, "s": self.steps,
+                           "o": self.outside.get(self.rank)}).encode()
+        try:
+            if to is None:
+                self.sock.send(self._mac(body) + body)
+            else:
+                self.sock.sendto(self._mac(body) + body, to)
+        except OSError:
+            pass
+
+    def _mac(self, body: bytes) -> bytes:
+        return hmac.new(self.key, body, hashlib.sha256).digest()[:MAC_BYTES]
+
+    def accept(self, data: bytes) -> int | None:
+        """The rank whose heartbeat ``data`` is, recorded; or None, and the datagram counted in
+        :attr:`dropped`: too long, not signed with the job's key, a replay (its counter does not
+        grow), or not ``{"r": rank, "n": counter, "s": steps, "o": where or null}`` of the right
+        types from a rank that may send to this one (rank 0 hears the others, they hear it)."""
+        beat = None
+        if MAC_BYTES < len(data) <= MAX_DATAGRAM and hmac.compare_digest(
+                data[:MAC_BYTES], self._mac(data[MAC_BYTES:])):
+            try:
+                beat = json.loads(data[MAC_BYTES:])
+            except (ValueError, RecursionError):
+                beat = None
+        rank = beat.get("r") if isinstance(beat, dict) else None
+        if not (isinstance(beat, dict) and set(beat) == {"r", "n", "s", "o"}
+                and _whole(rank) and rank in self.peers and (rank == 0) != (self.rank == 0)
+                and _whole(beat["n"]) and beat["n"] > self.counters.get(rank, 0)
+                and _whole(beat["s"]) and (beat["o"] is None or isinstance(beat["o"], str))):
+            self.dropped += 1
+            return None
+        self.counters[rank] = beat["n"]
+        self.seen[rank] = _now()
+        self.peer_steps[rank] = beat["s"]
+        self.outside[rank] = None if beat["o"] is None else printable(beat["o"], 200)
+        return rank
 
     def feed_guardian(self, what: str | None = None) -> None:
         guard = self.guard  # the watchdog thread and the rank's exit path both feed it
@@ -291,7 +355,9 @@ class Watchdog:
                 return (f"{describe(self.peers[0])} is frozen, dead or cut off from "
                         f"{describe(self.peers[self.rank])}: no heartbeat answer for "
                         f"{quiet:.0f} s and {what}; aborting the job")
-        return f"{self.diagnose(now)}; {what}; aborting the job"
+        dropped = (f" ({self.dropped} heartbeat datagram(s) not from this job dropped)"
+                   if self.dropped else "")
+        return f"{self.diagnose(now)}; {what}{dropped}; aborting the job"
 
     def diagnose(self, now: float) -> str:
         """Who is to blame, from the heartbeats (rank 0 hears from everyone)."""
@@ -332,7 +398,7 @@ class Watchdog:
     def explain_failure(self, err: BaseException) -> str:
         text = str(err).strip().splitlines()
         first = text[-1] if text else type(err).__name__
-        first = first.split(". ")[0][:300]
+        first = printable(first.split(". ")[0], 300)
         peers = ""
         if self.peers and self.rank == 0:
             peers = f"; {self.diagnose(_now())}"
@@ -365,11 +431,11 @@ def gloo_timeout() -> float:
         return 30.0
 
 
-def start(stall_timeout: float, hvd, elastic: bool = False) -> Watchdog | None:
+def start(stall_timeout: float, hvd, gather, elastic: bool = False) -> Watchdog | None:
     """Start this rank's watchdog; call right after ``hvd.init()`` on every rank.
 
-    Fixed-size jobs issue one ``allgather_object`` here (the heartbeat addresses), so every rank
-    must call it at the same point.  ``stall_timeout`` 0 turns everything off.
+    Fixed-size jobs issue one allgather here (``gather``, the world's: the heartbeat addresses),
+    so every rank must call it at the same point.  ``stall_timeout`` 0 turns everything off.
     """
     global _dog
     if stall_timeout <= 0 or _dog is not None or (hvd.size() == 1 and not elastic):
@@ -380,7 +446,7 @@ def start(stall_timeout: float, hvd, elastic: bool = False) -> Watchdog | None:
     if elastic:
         dog.peers = {dog.rank: {"rank": dog.rank, "host": local_host(), "pid": os.getpid()}}
     else:
-        dog.open_channel(hvd.allgather_object)
+        dog.open_channel(gather, everyone_here=hvd.local_size() == hvd.size())
     dog.start_guardian()
     _dog = dog
     threading.Thread(target=dog.run, name="ringtrain-watchdog", daemon=True).start()

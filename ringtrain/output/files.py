@@ -35,9 +35,12 @@ def ensure_writable(directory: str | os.PathLike, flag: str = "--checkpoint-dir"
     what = "checkpoint folder" if flag == "--checkpoint-dir" else f"{flag} folder"
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        # A new file of a fresh random name, never an existing one: whoever else can write to
+        # the folder could have planted a symlink under a name we chose (a ".write-test-<pid>"
+        # linked to one of the user's files was emptied by write_bytes, which follows it).
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
         free = shutil.disk_usage(path).free
     except OSError as err:
         raise UserError(f"{what} {path} is not writable ({err.strerror}); choose another "

@@ -99,11 +99,23 @@ class EventWriter:
     def _open(self):
         if self._file is None:
             self.logdir.mkdir(parents=True, exist_ok=True)
-            name = (f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}."
-                    f"{os.getpid()}.{next(_FILES)}.ringtrain")
-            self._file = open(self.logdir / name, "ab")
+            self._file = self._create()
             self._file.write(record(event(time.time(), file_version="brain.Event:2")))
         return self._file
+
+    def _create(self):
+        """A new event file, never an existing one: its name is predictable (time, host, pid),
+        so whoever else can write to the folder could have put a symlink to one of the user's
+        files there, which ``open(name, "ab")`` would have followed and appended to."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW
+        for _ in range(100):
+            name = (f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}."
+                    f"{os.getpid()}.{next(_FILES)}.ringtrain")
+            try:
+                return os.fdopen(os.open(self.logdir / name, flags, 0o644), "ab")
+            except FileExistsError:  # taken (by a planted file, say): the next number
+                continue
+        raise FileExistsError(f"no free event file name in {self.logdir}")
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._open().write(record(event(time.time(), step, scalars=values)))

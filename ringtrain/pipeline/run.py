@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ringtrain.errors import UserError
+from ringtrain.errors import UserError, printable
 from ringtrain.output.progress import Loss
 from ringtrain.pipeline import transport
 from ringtrain.pipeline.engine import Boundary, EvalRelay, run_step
@@ -247,15 +247,16 @@ class PipelineRun(FrameworkRun):
                 "stage0_in_flight": in_flight(ops),
                 "split": [s.record() for s in self.stages]}
 
-    def check_loaded(self, meta: dict | None, where) -> None:
+    def check_loaded(self, meta: dict, where) -> None:
         """A stage's checkpoint must hold this stage's layers (the split depends on the model and
         S only, so this fails only if the model itself changed)."""
-        saved = (meta or {}).get("pipeline") or {}
+        saved = meta["pipeline"]  # its shape checked by checkpoint.check_stage
         mine = self.stages[self.place.stage]
-        if saved.get("params") != mine.params or saved.get("layers") != list(mine.layers):
+        if saved["params"] != mine.params or saved["layers"] != list(mine.layers):
             raise UserError(f"--resume: {where} holds stage {self.place.stage} as "
-                            f"{saved.get('layers')} ({saved.get('params')} params), this run's is "
-                            f"{list(mine.layers)} ({mine.params}); resume with the same --model")
+                            f"{printable(', '.join(saved['layers']), 120)} ({saved['params']} "
+                            f"params), this run's is {', '.join(mine.layers)} ({mine.params}); "
+                            f"resume with the same --model")
 
     def describe(self) -> list[str]:
         f = self.facts()

@@ -31,7 +31,8 @@ def begin(args: argparse.Namespace, hvd, collectives: Collectives, *, use_gpu: b
         flags.validate_world(args, world.size)
     if args.amp and not use_gpu:
         raise UserError("--amp needs a CUDA GPU; drop the flag on CPU machines")
-    watchdog.start(args.stall_timeout, hvd, elastic=elastic)  # watchdog: a stuck rank ends the job
+    watchdog.start(args.stall_timeout, hvd, world.gather,  # watchdog: a stuck rank ends the job
+                   elastic=elastic)
     return world
 
 
@@ -69,14 +70,15 @@ def open_data(world: World | None, args: argparse.Namespace) -> ArrayData | Fold
         return datasets.open_builtin(args)
     opened: dict[str, ArrayData | FolderData | None] = {}
 
-    def rank0() -> FolderData | None:
+    def rank0() -> dict | None:
         opened["data"] = datasets.open_builtin(args, download=True)
-        return opened["data"] if isinstance(opened["data"], FolderData) else None
+        return opened["data"].to_plain() if isinstance(opened["data"], FolderData) else None
 
     shared = world.rank0_verdict(rank0, None, "data")
     if world.rank == 0:
         return opened["data"]
-    return shared if shared is not None else datasets.open_builtin(args, download=False)
+    return FolderData.from_plain(shared) if shared is not None else datasets.open_builtin(
+        args, download=False)
 
 
 def every_rank(world: World | None, work: Callable[[], T]) -> T:
