@@ -319,3 +319,43 @@ def test_evaluation_relays_batches_through_the_stages():
     assert results[0] == [None] * 3 and results[1] == [None] * 3
     for out, b in zip(results[2], batches, strict=True):
         np.testing.assert_array_equal(out, b + 3)  # one +1 per stage
+
+
+# --- resume: every stage from the same epoch ---------------------------------------------------
+
+def resume_on_ranks(newest: dict[int, int], resume: bool = True):
+    """S = 2 x R = 2 as threads over the fake bus (tests/fake_run.py); stage s's writer has
+    intact files up to epoch ``newest[s]`` (0: none).  Returns each rank's epoch and its loads."""
+    from fake_run import Bus, args, fake_world, run_ranks
+
+    from ringtrain.pipeline.run import resume_epoch
+
+    bus = Bus(4)
+
+    def work(rank):
+        place = Placement(2, 4, rank)
+        loads = []
+
+        def find(at_most):
+            best = newest[place.stage] if at_most is None else min(newest[place.stage], at_most)
+            return (best, f"stage{place.stage}@{best}") if best else None
+
+        epoch = resume_epoch(fake_world(bus, rank), place, args(resume=resume, checkpoint_dir="ck"),
+                             find, loads.append)
+        return epoch, loads
+
+    return run_ranks(4, work)
+
+
+def test_every_stage_resumes_from_the_oldest_newest_checkpoint(capsys):
+    got = resume_on_ranks({0: 3, 1: 2})
+    assert [epoch for epoch, _ in got] == [2, 2, 2, 2]
+    # only the stages' first replicas (ranks 0 and 1) read files, each its own stage's of epoch 2
+    assert [loads for _, loads in got] == [["stage0@2"], ["stage1@2"], [], []]
+    assert "newest intact checkpoints are of epochs [3, 2]" in capsys.readouterr().err
+
+
+def test_a_stage_without_checkpoints_starts_every_stage_afresh():
+    got = resume_on_ranks({0: 2, 1: 0})
+    assert [epoch for epoch, _ in got] == [0] * 4 and all(loads == [] for _, loads in got)
+    assert [epoch for epoch, _ in resume_on_ranks({0: 2, 1: 2}, resume=False)] == [0] * 4
