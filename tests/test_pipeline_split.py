@@ -60,7 +60,7 @@ def test_a_builders_own_stage_list_is_taken_as_it_is(fw):
 @pytest.mark.parametrize("case,stages,needle", [
     ("cnn", 5, "--pipeline-stages 5 is more than the 4 layers with weights of --model cnn"),
     ("mlp", 3, "--pipeline-stages 3 is more than the 2 layers with weights of --model mlp"),
-    ("stages", 3, "returned 2 stage"),
+    ("stages", 3, "returned 2 stages but --pipeline-stages is 3"),
     ("unsplittable", 2, "cannot split"),
 ])
 def test_what_cannot_be_split_is_one_line(fw, case, stages, needle):

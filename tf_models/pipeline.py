@@ -27,9 +27,7 @@ import tensorflow as tf
 from ringtrain.data import dataset as datasets
 from ringtrain.output.summary import Summary
 from ringtrain.pipeline import run as pipeline
-from ringtrain.pipeline.placement import Placement
 from ringtrain.pipeline.transport import Link
-from ringtrain.runtime import before_init
 from ringtrain.training import startup
 from ringtrain.training.fixed import FixedRun
 from ringtrain.training.run import RunIdentity
@@ -43,15 +41,14 @@ from tf_models.horovod_keras import allreduce_gradients, sparse_logits_loss
 class KerasPipelineRun(pipeline.PipelineRun):
     """One rank's stage of one replica."""
 
+    checkpoints = checkpoints
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        before_init(args.stall_timeout)
-        size = pipeline.before_init(args)  # MPI up (mpi4py), S divides the world
-        sets = pipeline.stage_sets(hvd, args.pipeline_stages, size)
+        sets = pipeline.before_init(args, hvd)  # MPI up (mpi4py), S divides the world
         # Horovod: initialise, with one process set per stage: its replicas' gradient allreduce.
         hvd.init(process_sets=sets)
-        self.place = Placement(args.pipeline_stages, hvd.size(), hvd.rank())
-        self.stage_set = sets[self.place.stage]
+        self.locate(hvd, sets)
         # Horovod: pin this rank to its share of the host's cores and to GPU local_rank (if any).
         use_gpu = devices.configure(hvd.local_rank(), hvd.local_size())
         self.world = startup.begin(args, hvd, COLLECTIVES, use_gpu=use_gpu)
@@ -65,11 +62,8 @@ class KerasPipelineRun(pipeline.PipelineRun):
         keras.utils.set_random_seed(args.seed + self.place.replica)
         split = startup.every_rank(self.world, lambda: stages.build_split(
             args.model, self.data.info, args.dropout, self.place.stages))
-        self.stage = split.models[self.place.stage]
+        self.stage = split.models[self.keep(split.stages, split.cuts)]
         del split.models  # the other stages' layers go
-        self.stages = split.stages
-        self.inbound = split.cuts[self.place.stage - 1] if not self.place.first else None
-        self.outbound = split.cuts[self.place.stage] if not self.place.last else None
         self.identity = RunIdentity.of(args, "tf", VERSIONS, self.data.info, split.param_count,
                                        strategy="pipeline")
         startup.check_output_folders(self.world, args, self.identity.param_count)
@@ -88,7 +82,7 @@ class KerasPipelineRun(pipeline.PipelineRun):
         hvd.broadcast_variables([*self.stage.weights, *self.optimizer.variables],
                                 root_rank=self.place.stage_root, process_set=self.stage_set)
         self.weights_finite = make_weights_finite(self.stage)
-        self.traced = Traced(self.stage, self.place, self.data.info, self.inbound, self.outbound)
+        self.traced = Traced(self.stage, self.data.info, self.inbound, self.outbound)
         self.rng = checkpoints.rng_variables(self.stage)
 
     # --- one step ----------------------------------------------------------------------------------
@@ -139,42 +133,23 @@ class KerasPipelineRun(pipeline.PipelineRun):
 
     # --- the epoch's end and the run's -------------------------------------------------------------
 
-    @property
-    def problem(self) -> str | None:
-        return self.data.problem
-
     def sync_buffers(self) -> None:
         average_statistics(self.stage, self.stage_set)
 
-    def eval_sums(self) -> list[float]:
-        relay = self.relay()
-
+    def evaluator(self, relay):
         def batch_sums(x, y):
             logits = relay(lambda v: self.stage(tf.constant(v), training=False), x, len(x),
                            lambda t: t.numpy())
-            if logits is None:  # stages before the last: dropped by own_eval_sums
+            if logits is None:  # stages before the last: their sums are dropped
                 return 0.0, 0.0
             loss = tf.reduce_sum(tf.cast(sparse_logits_loss(y, logits), tf.float64))
             correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float64))
             return loss, correct
 
-        sums = self.data.eval_sums(batch_sums, self.place.replica, self.place.replicas)
-        relay.finish()
-        return self.own_eval_sums(sums)
+        return batch_sums
 
-    def save(self, epoch: int) -> None:
-        checkpoints.save(self.args.checkpoint_dir, epoch, self.stage, self.optimizer,
-                         self.identity, self.args,
-                         {**self.stages[self.place.stage].record(), "stages": self.place.stages})
-
-    def find(self, at_most: int | None):
-        return checkpoints.find(self.args.checkpoint_dir, self.identity,
-                                (self.place.stage, self.place.stages), at_most)
-
-    def load(self, found) -> None:
-        arrays, path = found
-        self.check_loaded(json.loads(str(arrays["meta"])), path)
-        checkpoints.load(arrays, path, self.stage, self.optimizer)
+    def meta_of(self, arrays) -> dict:
+        return json.loads(str(arrays["meta"]))
 
     def parameters(self) -> list[np.ndarray]:
         return parameters(self.stage)
@@ -193,7 +168,7 @@ class Traced:
     eager with a tape kept per micro-batch, 465 traced, the same weights (the same dropout
     masks)."""
 
-    def __init__(self, stage: keras.Model, place: Placement, info, inbound, outbound) -> None:
+    def __init__(self, stage: keras.Model, info, inbound, outbound) -> None:
         self.stage = stage
         variables = stage.trainable_variables
         x_spec = (tf.TensorSpec([None, *info.input_shape], info.input_dtype) if inbound is None

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import keras
 import numpy as np
 
-from ringtrain import model_spec
 from ringtrain.errors import UserError
 from ringtrain.pipeline.engine import Boundary
-from ringtrain.pipeline.partition import Stage, balanced_split
-from tf_models.model import build, check
+from ringtrain.pipeline.partition import Stage, stage_ranges
+from tf_models.model import check, instantiate
 
 
 @dataclass
@@ -64,29 +63,14 @@ def _chain(spec: str, model, shape, dtype: str) -> tuple[list[keras.layers.Layer
 def build_split(spec: str, dataset, dropout: float, stages: int) -> Split:
     """The ``--model spec`` for ``dataset``, checked as a whole (one call) and split."""
     shape, dtype = tuple(dataset.input_shape), dataset.input_dtype
-    if spec in model_spec.BUILTIN:
-        built = build(spec, dataset, dropout)
-    else:
-        built = model_spec.call_builder(spec, shape, dataset.num_classes)
-        if not isinstance(built, (keras.Model, list, tuple)):
-            raise model_spec.wrong_type(spec, built, "tf", "keras.Model (or a list of stages)")
+    built = instantiate(spec, dataset, dropout, allowed=(keras.Model, list, tuple),
+                        wanted="keras.Model (or a list of stages)")
     layers, given = _chain(spec, built, shape, dtype)
-    if given and len(layers) != stages:
-        raise UserError(f"--model {spec} returned {len(layers)} stage models but "
-                        f"--pipeline-stages is {stages}; return one model per stage")
     whole = keras.Sequential([keras.Input(shape, dtype=dtype), *layers])
     check(spec, whole, shape, dataset.num_classes, dtype)
     outputs = _output_shapes(layers, shape, dtype)
     counts = [layer.count_params() for layer in layers]
-    if given:
-        empty = [i for i, n in enumerate(counts) if n == 0]
-        if empty:
-            raise UserError(f"--model {spec}: stage {empty[0]} of the {stages} it returned holds no "
-                            f"weights; every stage needs some to train")
-        ranges = [range(i, i + 1) for i in range(stages)]
-    else:
-        ranges = balanced_split(counts, [math.prod(s) for s, _ in outputs], stages,
-                                f"--model {spec}")
+    ranges = stage_ranges(counts, [math.prod(s) for s, _ in outputs], stages, given, spec)
     models, facts, cuts = [], [], []
     for index, r in enumerate(ranges):
         inp, in_dtype = (shape, dtype) if r.start == 0 else outputs[r.start - 1]

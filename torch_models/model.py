@@ -88,18 +88,25 @@ class MLP(nn.Module):
 BUILTIN = {"cnn": MnistCNN, "mlp": MLP}
 
 
-def build(spec: str, dataset, dropout: float) -> nn.Module:
-    """The ``--model spec`` for ``dataset`` (its :class:`ringtrain.data.dataset.DataInfo`), checked: a bad
-    spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
+def instantiate(spec: str, dataset, dropout: float, allowed: tuple[type, ...] = (nn.Module,),
+                wanted: str = "torch.nn.Module"):
+    """A built-in model, or what the user's builder returns if it is one of ``allowed`` (a
+    pipeline also takes a list of stages); anything else is one :class:`UserError` line."""
     model_spec.check_builtin_input(spec, dataset)
     shape = model_shape(dataset)
     if spec in BUILTIN:
-        model = BUILTIN[spec](dropout, shape, dataset.num_classes)
-    else:
-        model = model_spec.call_builder(spec, shape, dataset.num_classes)
-        if not isinstance(model, nn.Module):
-            raise model_spec.wrong_type(spec, model, "torch", "torch.nn.Module")
-    check(spec, model, shape, dataset.num_classes, getattr(torch, dataset.input_dtype))
+        return BUILTIN[spec](dropout, shape, dataset.num_classes)
+    model = model_spec.call_builder(spec, shape, dataset.num_classes)
+    if not isinstance(model, allowed):
+        raise model_spec.wrong_type(spec, model, "torch", wanted)
+    return model
+
+
+def build(spec: str, dataset, dropout: float) -> nn.Module:
+    """The ``--model spec`` for ``dataset`` (its :class:`ringtrain.data.dataset.DataInfo`), checked: a bad
+    spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
+    model = instantiate(spec, dataset, dropout)
+    check(spec, model, model_shape(dataset), dataset.num_classes, getattr(torch, dataset.input_dtype))
     return model
 
 

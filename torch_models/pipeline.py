@@ -27,9 +27,7 @@ from ringtrain.data import dataset as datasets
 from ringtrain.optimizer_options import distributed_optimizer_options
 from ringtrain.output.summary import Summary
 from ringtrain.pipeline import run as pipeline
-from ringtrain.pipeline.placement import Placement
 from ringtrain.pipeline.transport import Link
-from ringtrain.runtime import before_init
 from ringtrain.training import startup
 from ringtrain.training.fixed import FixedRun
 from ringtrain.training.run import RunIdentity
@@ -42,15 +40,14 @@ from torch_models.evaluation import parameters, weights_total
 class TorchPipelineRun(pipeline.PipelineRun):
     """One rank's stage of one replica."""
 
+    checkpoints = checkpoints
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, k = args, args.backward_passes_per_step
-        before_init(args.stall_timeout)
-        size = pipeline.before_init(args)  # MPI up (mpi4py), S divides the world
-        sets = pipeline.stage_sets(hvd, args.pipeline_stages, size)
+        sets = pipeline.before_init(args, hvd)  # MPI up (mpi4py), S divides the world
         # Horovod: initialise, with one process set per stage: its replicas' gradient allreduce.
         hvd.init(process_sets=sets)
-        self.place = Placement(args.pipeline_stages, hvd.size(), hvd.rank())
-        self.stage_set = sets[self.place.stage]
+        self.locate(hvd, sets)
         # Horovod: pin this rank to its share of the host's cores and to GPU local_rank (if any).
         self.device = devices.pin(hvd.local_rank(), hvd.local_size())
         self.world = startup.begin(args, hvd, COLLECTIVES, use_gpu=self.device.type == "cuda")
@@ -64,11 +61,8 @@ class TorchPipelineRun(pipeline.PipelineRun):
         torch.manual_seed(args.seed + self.place.replica)
         split = startup.every_rank(self.world, lambda: stages.build(
             args.model, self.data.info, args.dropout, self.place.stages))
-        self.stage = split.modules[self.place.stage].to(self.device)
+        self.stage = split.modules[self.keep(split.stages, split.cuts)].to(self.device)
         del split.modules  # the other stages' weights go
-        self.stages = split.stages
-        self.inbound = split.cuts[self.place.stage - 1] if not self.place.first else None
-        self.outbound = split.cuts[self.place.stage] if not self.place.last else None
         self.identity = RunIdentity.of(args, "torch", VERSIONS, self.data.info, split.param_count,
                                        strategy="pipeline")
         startup.check_output_folders(self.world, args, self.identity.param_count)
@@ -154,34 +148,14 @@ class TorchPipelineRun(pipeline.PipelineRun):
 
     # --- the epoch's end and the run's -------------------------------------------------------------
 
-    @property
-    def problem(self) -> str | None:
-        return self.data.problem
-
     def sync_buffers(self) -> None:
         average_buffers(self.stage, self.stage_set)
 
-    def eval_sums(self) -> list[float]:
-        relay = self.relay()
-        sums = self.data.eval_sums(_StageEval(self, relay), self.place.replica, self.place.replicas)
-        relay.finish()
-        return self.own_eval_sums(sums)
+    def evaluator(self, relay):
+        return _StageEval(self, relay)
 
-    def save(self, epoch: int) -> None:
-        checkpoints.save(self.args.checkpoint_dir, epoch, self.stage, self.optimizer,
-                         self.identity, self.args, self.stage_record())
-
-    def stage_record(self) -> dict:
-        return {**self.stages[self.place.stage].record(), "stages": self.place.stages}
-
-    def find(self, at_most: int | None):
-        return checkpoints.find(self.args.checkpoint_dir, self.identity,
-                                (self.place.stage, self.place.stages), at_most)
-
-    def load(self, found) -> None:
-        state, path = found
-        self.check_loaded(state.get("meta"), path)
-        checkpoints.load(state, path, self.stage, self.optimizer)
+    def meta_of(self, state) -> dict:
+        return state["meta"]
 
     def parameters(self) -> list[np.ndarray]:
         return parameters(self.stage)
@@ -193,7 +167,7 @@ class TorchPipelineRun(pipeline.PipelineRun):
 class _StageEval:
     """What the data's evaluation calls as its model (``model.eval()``, then ``model(x)`` per test
     batch): the stage through the relay.  Stages before the last have no logits: they return
-    zeros, whose sums :meth:`PipelineRun.own_eval_sums` drops."""
+    zeros, whose sums :meth:`PipelineRun.eval_sums` drops."""
 
     def __init__(self, run: TorchPipelineRun, relay) -> None:
         self.run, self.relay = run, relay

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ringtrain import model_spec
 from ringtrain.errors import UserError
 from ringtrain.pipeline.engine import Boundary
-from ringtrain.pipeline.partition import Stage, balanced_split
-from torch_models.model import BUILTIN, check, model_shape
+from ringtrain.pipeline.partition import Stage, stage_ranges
+from torch_models.model import BUILTIN, check, instantiate, model_shape
 
 
 @dataclass
@@ -68,30 +67,15 @@ def _chain(spec: str, model) -> tuple[list[tuple[str, nn.Module]], bool]:
 
 def build(spec: str, dataset, dropout: float, stages: int) -> Split:
     """The ``--model spec`` for ``dataset``, checked as a whole (one forward pass) and split."""
-    model_spec.check_builtin_input(spec, dataset)
     shape = model_shape(dataset)
-    if spec in BUILTIN:
-        built = BUILTIN[spec](dropout, shape, dataset.num_classes)
-    else:
-        built = model_spec.call_builder(spec, shape, dataset.num_classes)
-        if not isinstance(built, (nn.Module, list, tuple)):
-            raise model_spec.wrong_type(spec, built, "torch", "torch.nn.Module (or a list of stages)")
+    built = instantiate(spec, dataset, dropout, (nn.Module, list, tuple),
+                        "torch.nn.Module (or a list of stages)")
     layers, given = _chain(spec, built)
-    if given and len(layers) != stages:
-        raise UserError(f"--model {spec} returned {len(layers)} stage modules but "
-                        f"--pipeline-stages is {stages}; return one module per stage")
     whole = nn.Sequential(OrderedDict(layers))
     check(spec, whole, shape, dataset.num_classes, getattr(torch, dataset.input_dtype))
     sizes = _output_shapes(whole, shape, getattr(torch, dataset.input_dtype))
     counts = [_params(m)[0] for _, m in layers]
-    if given:
-        empty = [i for i, n in enumerate(counts) if n == 0]
-        if empty:
-            raise UserError(f"--model {spec}: stage {empty[0]} of the {stages} it returned holds no "
-                            f"weights; every stage needs some to train")
-        ranges = [range(i, i + 1) for i in range(stages)]
-    else:
-        ranges = balanced_split(counts, [_numel(s) for s in sizes], stages, f"--model {spec}")
+    ranges = stage_ranges(counts, [_numel(s) for s in sizes], stages, given, spec)
     modules, facts, cuts = [], [], []
     for index, r in enumerate(ranges):
         module = nn.Sequential(OrderedDict(layers[i] for i in r))

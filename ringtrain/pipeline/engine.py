@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ringtrain.pipeline.placement import Placement
-from ringtrain.pipeline.schedule import FORWARD, Op
+from ringtrain.pipeline.schedule import BACKWARD, FORWARD, Op
 
 ACTIVATION, GRADIENT, EVAL = 0, 1, 2
 KINDS = 4
@@ -112,21 +112,18 @@ def run_step(place: Placement, link: Link, work: StageWork, ops: Sequence[Op],
         grads = Receives(link, [m for k, m in ops if k != FORWARD], lambda m: link.post(
             outbound.rows(rows[m]), outbound.dtype, place.next, tag(GRADIENT, m),
             f"stage {place.stage + 1}'s gradients of micro-batch {m}"), window)
+    # Each kind of op: where its input comes from, the maths, where its output goes, its tag.
+    lanes = {FORWARD: (acts, work.forward, place.next if outbound is not None else None, ACTIVATION),
+             BACKWARD: (grads, work.backward, place.previous if inbound is not None else None,
+                        GRADIENT)}
     for kind, m in ops:
-        if kind == FORWARD:
-            x = acts.take(m) if acts is not None else None
-            start = time.perf_counter()
-            out = work.forward(m, x)
-            busy += time.perf_counter() - start
-            if outbound is not None:
-                link.send(out, place.next, tag(ACTIVATION, m))
-        else:
-            grad = grads.take(m) if grads is not None else None
-            start = time.perf_counter()
-            back = work.backward(m, grad)
-            busy += time.perf_counter() - start
-            if inbound is not None:
-                link.send(back, place.previous, tag(GRADIENT, m))
+        incoming, compute, dest, kind_tag = lanes[kind]
+        arg = incoming.take(m) if incoming is not None else None
+        start = time.perf_counter()
+        out = compute(m, arg)
+        busy += time.perf_counter() - start
+        if dest is not None:
+            link.send(out, dest, tag(kind_tag, m))
     link.finish_sends(f"stage {place.stage}'s messages")
     return StepTime(time.perf_counter() - t0, busy)
 

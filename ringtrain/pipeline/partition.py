@@ -86,3 +86,19 @@ def balanced_split(params: Sequence[int], cut_sizes: Sequence[int], stages: int,
             plan[k][end] = min(options) if options else None
     starts = [*plan[stages][n][1], n]
     return [range(starts[i], starts[i + 1]) for i in range(stages)]
+
+
+def stage_ranges(params: Sequence[int], cut_sizes: Sequence[int], stages: int, given: bool,
+                 spec: str) -> list[range]:
+    """The layers of each stage: a builder's own list of stages (``given``: one "layer" each,
+    which must be S of them and each hold weights), or :func:`balanced_split`."""
+    if not given:
+        return balanced_split(params, cut_sizes, stages, f"--model {spec}")
+    if len(params) != stages:
+        raise UserError(f"--model {spec} returned {len(params)} stages but --pipeline-stages is "
+                        f"{stages}; return one per stage")
+    empty = [i for i, n in enumerate(params) if n == 0]
+    if empty:
+        raise UserError(f"--model {spec}: stage {empty[0]} of the {stages} it returned holds no "
+                        f"weights; every stage needs some to train")
+    return [range(i, i + 1) for i in range(stages)]

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ringtrain import runtime
 from ringtrain.errors import UserError, printable
 from ringtrain.output.progress import Loss
 from ringtrain.pipeline import transport
@@ -42,7 +43,6 @@ from ringtrain.pipeline.engine import Boundary, EvalRelay, run_step
 from ringtrain.pipeline.partition import Stage
 from ringtrain.pipeline.placement import Placement, check_world
 from ringtrain.pipeline.schedule import bubble_formula, in_flight, stage_ops
-from ringtrain.runtime import uses_gloo
 from ringtrain.training import startup
 from ringtrain.training.run import FrameworkRun, StepTag
 from ringtrain.training.world import World
@@ -50,17 +50,19 @@ from ringtrain.training.world import World
 _SETS: dict[tuple[int, int], list[Any]] = {}  # (stages, world size) -> Horovod's process sets
 
 
-def before_init(args: argparse.Namespace) -> int:
-    """Before ``hvd.init()``, on every rank: MPI is the transport (refused under Gloo, whose
+def before_init(args: argparse.Namespace, hvd) -> list[Any]:
+    """Before ``hvd.init()``, on every rank: the environment Horovod needs
+    (:func:`ringtrain.runtime.before_init`); MPI, the transport (refused under Gloo, whose
     Horovod has no messages between two ranks), initialised here by mpi4py; S must divide the
-    world size.  Returns the world size."""
-    if uses_gloo(os.environ):
+    world size.  Returns the stage process sets to initialise Horovod with."""
+    runtime.before_init(args.stall_timeout)
+    if runtime.uses_gloo(os.environ):
         raise UserError("--pipeline-stages needs Horovod's MPI controller: a pipeline's "
                         "activations travel between two ranks over MPI, and Gloo has no such "
                         "messages; run horovodrun without --gloo, mpirun or srun")
     size = transport.world_size()
     check_world(args.pipeline_stages, size)
-    return size
+    return stage_sets(hvd, args.pipeline_stages, size)
 
 
 def stage_sets(hvd, stages: int, size: int) -> list[Any]:
@@ -136,6 +138,18 @@ class PipelineRun(FrameworkRun):
     stages: list[Stage]
     inbound: Boundary | None
     outbound: Boundary | None
+
+    def locate(self, hvd, sets: list[Any]) -> None:
+        """After ``hvd.init()``: this rank's place, and its stage's process set."""
+        self.place = Placement(self.args.pipeline_stages, hvd.size(), hvd.rank())
+        self.stage_set = sets[self.place.stage]
+
+    def keep(self, stages: list[Stage], cuts: list[Boundary]) -> int:
+        """The split's facts, the cuts around this rank's stage; returns the stage's index."""
+        self.stages = stages
+        self.inbound = cuts[self.place.stage - 1] if not self.place.first else None
+        self.outbound = cuts[self.place.stage] if not self.place.last else None
+        return self.place.stage
 
     def open_pipeline(self, args: argparse.Namespace) -> None:
         """The shared state, once ``place`` is known (after ``hvd.init()``)."""
@@ -225,15 +239,50 @@ class PipelineRun(FrameworkRun):
     def diverged(self, tag: StepTag) -> StepTag | None:
         return tag if self.nonfinite else None
 
-    # --- evaluation --------------------------------------------------------------------------------
+    # --- evaluation, checkpoints -----------------------------------------------------------------
 
-    def relay(self) -> EvalRelay:
-        return EvalRelay(self.place, self.link, self.inbound, self.outbound)
+    @property
+    def problem(self) -> str | None:
+        return self.data.problem
 
-    def own_eval_sums(self, sums: list[float]) -> list[float]:
+    @abstractmethod
+    def evaluator(self, relay: EvalRelay) -> Any:
+        """What the framework's data evaluates with (``self.data.eval_sums(evaluator, rank,
+        size)``): the stage, its input from and output to the relay."""
+
+    def eval_sums(self) -> list[float]:
         """This rank's test sums as the loop adds them up: the last stage's (loss, correct,
-        count), zeros elsewhere, and this rank's data problems."""
+        count), zeros elsewhere, and this rank's data problems.  Every stage of a replica walks
+        the replica's share of the test set; stage 0 reads the inputs, the last the labels."""
+        relay = EvalRelay(self.place, self.link, self.inbound, self.outbound)
+        sums = self.data.eval_sums(self.evaluator(relay), self.place.replica, self.place.replicas)
+        relay.finish()
         return sums if self.place.last else [0.0, 0.0, 0.0, sums[3]]
+
+    # The framework's checkpoint module (torch_models.checkpoints, tf_models.checkpoints): its
+    # save(..., stage), find(dir, identity, stage, at_most) -> (epoch, (payload, path)), and
+    # load(payload, path, model, optimizer); and how to read a payload's metadata.
+    checkpoints: Any
+
+    @abstractmethod
+    def meta_of(self, payload: Any) -> dict: ...
+
+    def stage_record(self) -> dict:
+        """What a stage's checkpoint says it holds (:func:`checkpoint.metadata`'s ``pipeline``)."""
+        return {**self.stages[self.place.stage].record(), "stages": self.place.stages}
+
+    def save(self, epoch: int) -> None:
+        self.checkpoints.save(self.args.checkpoint_dir, epoch, self.stage, self.optimizer,
+                              self.identity, self.args, self.stage_record())
+
+    def find(self, at_most: int | None):
+        return self.checkpoints.find(self.args.checkpoint_dir, self.identity,
+                                     (self.place.stage, self.place.stages), at_most)
+
+    def load(self, found) -> None:
+        payload, path = found
+        self.check_loaded(self.meta_of(payload), path)
+        self.checkpoints.load(payload, path, self.stage, self.optimizer)
 
     # --- what the run says about itself ------------------------------------------------------------
 
