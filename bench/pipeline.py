@@ -34,6 +34,8 @@ from bench import costmodel, util
 from ringtrain.pipeline.schedule import bubble_formula, simulate
 
 MODEL = "bench.pipeline:mlp"
+MEMORY_FAILURES = ("can't allocate memory", "not enough memory", "Cannot allocate memory",
+                   "can't start new thread", "MemoryError")
 
 
 def mlp(input_shape, num_classes):
@@ -213,8 +215,10 @@ def memory(runner: Runner, out: Path) -> dict:
                              env={"HOROVOD_FUSION_THRESHOLD": str(16 << 20)})
         ranks = [util.read_json(p) for p in sorted(report.parent.glob("rank.*.json"))]
         log = (runner.work / f"memory-s{stages}" / "output.log").read_text()
+        # Past the cap PyTorch's allocator fails, or Python cannot start a thread (a thread's
+        # stack is capped memory too), whichever asks first.
         rec.update(stages=stages, ranks=ranks,
-                   allocation_failed="can't allocate memory" in log or "not enough memory" in log)
+                   allocation_failed=any(why in log for why in MEMORY_FAILURES))
         if rec["ok"]:
             summary = rec.pop("summary")
             pipe = summary.get("pipeline")

@@ -49,6 +49,7 @@ GROUPS = {
     "single": (1, "single", (), [
         ("ref-b16", [*PLAIN, "--batch-size", str(B), "--epochs", "1"], None),
         ("ref-b32", [*PLAIN, "--batch-size", str(2 * B), "--epochs", "1"], None),
+        ("ref-b64", [*PLAIN, "--batch-size", str(4 * B), "--epochs", "1"], None),
         # epoch 2 at batch 32 after epoch 1 at batch 16: what the R = 2 resume below must equal
         ("ref-resume", [*PLAIN, "--batch-size", str(2 * B), "--epochs", "2", "--resume"],
          "single/ref-b16"),
@@ -61,6 +62,7 @@ GROUPS = {
         ("gpipe", pipe("gpipe", 2), None),
         ("1f1b", pipe("1f1b", 4), None),
         ("resume", [*pipe("1f1b", 2, epochs=2), "--resume"], "np2/1f1b"),
+        ("k2", [*pipe("1f1b", 2), "--backward-passes-per-step", "2"], None),
     ]),
 }
 
@@ -163,6 +165,16 @@ def test_a_resume_with_the_same_stages_and_more_replicas_continues_exactly(fw, r
     assert m["resumed_from_epoch"] == 1 and len(m["epochs"]) == 1
     stage_checksums_agree(m)
     assert_same(runs.params(fw, "np4/resume"), runs.params(fw, "single/ref-resume"))
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_gradient_accumulation_folds_into_the_micro_batches(fw, runs):
+    """--backward-passes-per-step 2 at M = 2: one schedule of 4 micro-batches per optimizer step,
+    equal to one process with batch 2 x 2 x B."""
+    m = runs.metrics(fw, "np4/k2")
+    assert m["global_batch_size"] == 4 * B
+    stage_checksums_agree(m)
+    assert_same(runs.params(fw, "np4/k2"), runs.params(fw, "single/ref-b64"))
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
