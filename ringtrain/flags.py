@@ -14,6 +14,8 @@ from ringtrain import model_spec
 from ringtrain.data import dataset, images, mnist
 from ringtrain.errors import UserError
 from ringtrain.lr import DECAY_RULES, SCALING_RULES
+from ringtrain.pipeline.placement import check_world as check_pipeline_world
+from ringtrain.pipeline.schedule import SCHEDULES
 
 FRAMEWORKS = ("torch", "tf")
 STRATEGIES = ("ring", "ps")
@@ -116,6 +118,18 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--staleness", default=None, metavar="K|inf",
                    help="with --strategy ps: a worker may run at most K steps ahead of the "
                         "slowest; 0 (default) is synchronous, the ring's math; inf never waits")
+    # --- model parallelism (issue #38): a pipeline of S stages x R replicas ----------------------
+    g = parser.add_argument_group("pipeline (model parallelism; docs/pipeline.md)")
+    g.add_argument("--pipeline-stages", type=int, default=1, metavar="S",
+                   help="split the model by layers into S stages on S ranks, micro-batches "
+                        "pipelined through them; the world is S x R ranks, R replicas trained "
+                        "data-parallel (default 1: every rank holds the whole model)")
+    g.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="with --pipeline-stages: micro-batches per batch, M must divide "
+                        "--batch-size (default S)")
+    g.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="with --pipeline-stages: gpipe (all forwards, then all backwards) or "
+                        "1f1b (one forward, one backward: fewer activations held; the default)")
 
     g = parser.add_argument_group("output")
     g.add_argument("--checkpoint-dir", default=None,
@@ -191,6 +205,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         raise UserError("--tensorboard-steps needs --tensorboard DIR (where to write)")
     check_strategy(args)
     model_spec.check_spec(args.model)
+    validate_pipeline(args)
     return args
 
 
@@ -249,12 +264,42 @@ def check_strategy_world(args: argparse.Namespace, world_size: int) -> None:
         raise UserError(f"--ps-servers {ps_servers(args)} leaves no worker among {world_size} "
                         f"processes (ranks 0..P-1 serve, the rest compute); run at least "
                         f"{ps_servers(args) + 1} processes, or fewer servers")
+def validate_pipeline(args: argparse.Namespace) -> None:
+    """``--pipeline-stages``, ``--microbatches`` and ``--schedule``; fills in their defaults."""
+    stages = args.pipeline_stages
+    if stages < 1:
+        raise UserError(f"--pipeline-stages must be a positive integer, got {stages}")
+    if stages == 1:
+        for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule)):
+            if value is not None:
+                raise UserError(f"{flag} works with --pipeline-stages 2 or more; add it or drop "
+                                f"{flag}")
+        return
+    args.microbatches = stages if args.microbatches is None else args.microbatches
+    args.schedule = args.schedule or "1f1b"
+    if args.microbatches < 1:
+        raise UserError(f"--microbatches must be a positive integer, got {args.microbatches}")
+    if args.batch_size % args.microbatches:
+        raise UserError(f"--microbatches {args.microbatches} must divide --batch-size "
+                        f"{args.batch_size} (equal micro-batches); change one of them")
+    if args.elastic:
+        raise UserError("--elastic with --pipeline-stages: an elastic job re-forms its world as "
+                        "workers come and go, and a pipeline needs every stage of a replica at "
+                        "once (one lost rank stops its whole replica); drop one of the two flags")
+    if args.adasum:
+        raise UserError("--adasum with --pipeline-stages: each stage's gradients are combined "
+                        "within its own process set, and Horovod 0.28.1's Adasum works on the "
+                        "whole world only; drop --adasum")
+    if args.amp:
+        raise UserError("--amp with --pipeline-stages is not supported yet; drop one of the two "
+                        "flags")
 
 
 def validate_world(args: argparse.Namespace, world_size: int) -> None:
     """Checks that need the world size, run right after ``hvd.init()`` on every rank (the data's
     own: :func:`ringtrain.data.dataset.check_world`, once it is open)."""
     check_strategy_world(args, world_size)
+    check_pipeline_world(getattr(args, "pipeline_stages", 1), world_size)
     if args.adasum and world_size & (world_size - 1):
         raise UserError(f"--adasum needs a power-of-two number of processes, not {world_size}; run "
                         f"2, 4, 8... processes or drop --adasum")

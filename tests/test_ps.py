@@ -301,14 +301,19 @@ def test_a_free_worker_takes_the_epochs_tail_from_a_blocked_one():
     """Worker 2 is stuck on its first batch until the others have trained their own: at
     staleness inf they go on and take its 7 remaining batches; each batch is trained once."""
     workers, steps = 3, 8
-    released = threading.Event()
+    holds_its_first, released = threading.Event(), threading.Event()
     seen: defaultdict[int, int] = defaultdict(int)
 
     def delay(w: int) -> None:
         seen[w] += 1
         if w == 2:
+            holds_its_first.set()
             released.wait(TIMEOUT)
-        elif seen[0] + seen[1] >= 2 * steps + (steps - 1):
+            return
+        # the others start once worker 2 holds its first batch: else its first pull may reach
+        # the server after they have taken all of its batches (a race the test would lose)
+        holds_its_first.wait(TIMEOUT)
+        if seen[0] + seen[1] >= 2 * steps + (steps - 1):
             released.set()
 
     job = Job(1, workers, None, size=6, steps=steps, grad=lambda w, k: np.ones(6), delay=delay)

@@ -158,6 +158,8 @@ class Watchdog:
         #                                            Horovod or the framework (None: it is)
         self.channel: dict | None = None        # rank 0's record: its key, port and address
         self.key = b""
+        self.waiting: str | None = None         # what the main thread waits for from a peer,
+        #                                         outside Horovod (a pipeline's message)
         self.sock: socket.socket | None = None
         self.sent = 0                           # heartbeats this rank signed (their counter)
         self.counters: dict[int, int] = {}      # rank -> the counter of its last heartbeat
@@ -253,7 +255,9 @@ class Watchdog:
         if self.sock is None or self.channel is None:
             time.sleep(self.tick)
             return
-        where = main_thread_outside_frameworks()
+        # A wait for a peer's message (a pipeline's activations) is a wait for peers, as a
+        # collective is, not a rank stuck in its own code.
+        where = None if self.waiting else main_thread_outside_frameworks()
         self.outside[self.rank] = None if where is None else printable(where, 60)  # one datagram
         if self.rank != 0:
             self._send()
@@ -357,6 +361,8 @@ class Watchdog:
             return None
         what = (f"no training step or collective completed on rank {self.rank} for "
                 f"{stalled:.0f} s (--stall-timeout {self.timeout:g})")
+        if self.waiting:
+            what += f"; it waits for {self.waiting}"
         if self.elastic:
             if stalled <= max(self.timeout, gloo_timeout()) + ELASTIC_GRACE:
                 # A frozen peer's guardian acts first, then the job re-forms.  A peer cut off by a
@@ -461,25 +467,6 @@ def describe_rank(rank: int) -> str:
     return describe(info) if info else f"rank {rank}"
 
 
-def end_job(line: str) -> None:
-    """End every rank now with one line (this rank's): what the watchdog does when it fires,
-    for a verdict reached elsewhere (a parameter server's worker that went silent)."""
-    dog = _dog
-    if dog is not None:
-        with dog.lock:
-            dog.fired = True  # its own verdict would be a second line
-        dog.tell_the_end()
-        dog.abort(line)
-    _say(line)
-    try:
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(STALL_EXIT_CODE)
-    except Exception:
-        pass
-    os._exit(STALL_EXIT_CODE)
-
-
 def gloo_timeout() -> float:
     """Horovod's Gloo timeout in this worker (horovodrun's --gloo-timeout-seconds; 30 s default)."""
     try:
@@ -510,6 +497,46 @@ def start(stall_timeout: float, hvd, gather, elastic: bool = False) -> Watchdog 
     atexit.register(disarm)
     _install_excepthook()
     return dog
+
+
+@contextlib.contextmanager
+def waiting(what: str):
+    """The main thread waits for a peer's message outside Horovod (``what``, e.g. "stage 0's
+    activations of micro-batch 3 from rank 0"): heartbeats then report the rank as waiting for
+    its peers, not stuck in its own code, and the stall line names what it waited for."""
+    dog = _dog
+    if dog is None:
+        yield
+        return
+    dog.waiting = what
+    try:
+        yield
+    finally:
+        dog.waiting = None
+
+
+def end_job(line: str) -> None:
+    """End every rank now with one line (this rank's), for a verdict reached outside the
+    watchdog (a parameter server's worker that went silent, a pipeline peer that outlived its
+    own deadline): rank 0 tells the ranks it hears from to leave quietly, and the watchdog's
+    abort ends the job through the launcher, unless it has fired already (its own abort is then
+    under way).  Without a watchdog: MPI's abort, else this process alone."""
+    dog = _dog
+    if dog is not None:
+        with dog.lock:
+            fired, dog.fired = dog.fired, True  # its own verdict would be a second line
+        if not fired:
+            dog.tell_the_end()
+            dog.abort(line)  # does not return
+        time.sleep(2 * GRACE)
+    _say(line)
+    try:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(STALL_EXIT_CODE)
+    except Exception:
+        pass
+    os._exit(STALL_EXIT_CODE)
 
 
 def new_world(rank: int, size: int) -> None:

@@ -51,6 +51,8 @@ class FixedRun:
                            f"rank(s), {ident.model_name} {ident.param_count:,} params, lr "
                            f"{args.base_lr:g} -> {self.target_lr:g}, {self.steps} steps/epoch of "
                            f"{global_batch} images" + (f"; {note}" if note else ""))
+        for line in run.describe():
+            self.progress.info(line)
 
     # --- the run ----------------------------------------------------------------------------------
 
@@ -89,7 +91,7 @@ class FixedRun:
                 images += used
                 self.after_step(epoch, step + 1, loss=loss, lr=lr, consumed=images * run.shard_size)
             self.stop_if(run.flush_diverged())  # the epoch's last step, before a checkpoint holds it
-            self.end_epoch(epoch, train_sums=[run.take_loss_sum(), images],
+            self.end_epoch(epoch, train_sums=run.train_sums(images),
                            seconds=time.perf_counter() - t0, lr=lr)
 
     # --- per step ---------------------------------------------------------------------------------
@@ -132,7 +134,7 @@ class FixedRun:
         self.images_seen += images
         self.summary.epochs.append(rec)
         self.progress.epoch(rec)
-        checkpoint.save_if_due(self.args, self.world.rank, epoch, self.run.save)
+        checkpoint.save_if_due(self.args, self.run.writes_checkpoints, epoch, self.run.save)
         return rec
 
     def finish(self) -> Summary:
@@ -141,6 +143,8 @@ class FixedRun:
         last = self.summary.epochs[-1] if self.summary.epochs else None
         test = ((last.test_loss, last.test_accuracy) if last
                 else exact_test_metrics(self.world, self.run.eval_sums()))
+        for name, value in self.run.summary_fields().items():
+            setattr(self.summary, name, value)
         return summaries.finish(self.world, self.progress, self.args, self.summary, test=test,
                                 train_seconds=self.train_seconds, images_seen=self.images_seen,
                                 params=self.run.parameters())
