@@ -8,8 +8,10 @@ anything else with 403 before it reads the path or unpickles the body, and binds
 one address the workers are given.  docs/security.md says what is defended and what is not.
 
 The forged bodies here unpickle into ``os.system("touch MARKER")``: the marker file exists exactly
-when someone unpickled one.  A positive control (a correctly signed forged PUT, which a server must
-accept from a job member) shows the marker does appear when the body is unpickled.
+when someone unpickled one (``test_the_forged_body_is_a_real_exploit`` is the positive control).
+A holder of the job's key gets no further: the bodies and messages of horovodrun's own processes
+are JSON (.ci/horovod-patches/rendezvous-plain-worker-addresses.patch, services-plain-messages.patch),
+and a signed pickle is refused unread.
 """
 
 from __future__ import annotations
