@@ -864,6 +864,7 @@ def test_horovodrun_flags_are_read_like_horovodrun(tmp_path):
     assert hosts_and_slots(["-np", "4", "-H", "a:2,b", "python", "x.py"]) == [("a", 2), ("b", 1)]
     assert hosts_and_slots(["-np", "2", "--gloo", "python", "x.py", "-H", "theirs:9"]) == []
     assert hosts_and_slots(["--verbose", "-H=a:3", "--start-timeout", "9", "python"]) == [("a", 3)]
+    assert hosts_and_slots(["--ssh-accept-new-hosts", "-H", "a:2", "python"]) == [("a", 2)]
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# cluster\nnode1 slots=4\nnode2 slots=2  # two GPUs\n")
     assert hosts_and_slots(["--hostfile", str(hostfile)]) == [("node1", 4), ("node2", 2)]
