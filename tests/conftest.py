@@ -104,3 +104,33 @@ def hosts():
             yield made
     except netns_hosts.Unavailable as err:
         pytest.skip(f"cannot make two hosts with their own addresses and sshd here: {err}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """CI's share (tests/ci_share.py): the launches that repeat a proof run with RINGTRAIN_FULL=1."""
+    import ci_share
+
+    for item in items:
+        why = ci_share.reason(item.nodeid)
+        if why:
+            item.add_marker(pytest.mark.skip(reason=why))
+
+
+_SUITE_START = [0.0]
+
+
+def pytest_sessionstart(session):
+    import time
+
+    _SUITE_START[0] = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite's own time (CI's target: 20 min on an idle 2-core machine), and which share ran."""
+    import time
+
+    import ci_share
+
+    minutes = (time.monotonic() - _SUITE_START[0]) / 60
+    share = "the full suite" if ci_share.FULL else "CI's share (RINGTRAIN_FULL=1 runs the rest)"
+    terminalreporter.write_line(f"ringtrain: {share} took {minutes:.1f} min")
