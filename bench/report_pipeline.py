@@ -22,7 +22,7 @@ def section(res: dict) -> list[str]:
     comparing = not data.get("quick")
     cfg = data["config"]
     width, depth = cfg["mlp"]
-    lines = ["## 9. Model parallelism: a pipeline of stages", ""]
+    lines = ["## 10. Model parallelism: a pipeline of stages", ""]
     if data.get("quick"):
         lines += ["> **QUICK RUN**: few steps; the numbers show that the part works, and no ratio "
                   f"is printed (`{WITHHELD}`).", ""]
