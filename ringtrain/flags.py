@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from ringtrain import model_spec
+from ringtrain import horovod_tools, model_spec
 from ringtrain.data import dataset, images, mnist
 from ringtrain.errors import UserError
 from ringtrain.lr import DECAY_RULES, SCALING_RULES
@@ -117,7 +117,25 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--tensorboard-steps", action="store_true",
                    help="with --tensorboard: also write rank 0's loss and the LR after every step")
     g.add_argument("--no-progress", action="store_true", help="no progress bar, only epoch lines")
+    add_performance_args(parser)
     return parser
+
+
+def add_performance_args(parser: argparse.ArgumentParser) -> None:
+    """Horovod's own tools (--timeline-out, --autotune)."""
+    g = parser.add_argument_group("performance")
+    g.add_argument("--timeline-out", default=None, metavar="FILE",
+                   help="rank 0 writes Horovod's timeline here: every collective of every tensor "
+                        "and its phases, a Chrome trace (open in chrome://tracing or Perfetto); "
+                        "see docs/profiling.md")
+    g.add_argument("--autotune", nargs="?", const=horovod_tools.DEFAULT_AUTOTUNE_LOG, default=None,
+                   metavar="LOG",
+                   help="let Horovod's autotuner pick the fusion threshold and response cache by "
+                        "measured allreduce throughput (HOROVOD_AUTOTUNE); its log (one CSV row "
+                        f"per sample) goes to LOG (default {horovod_tools.DEFAULT_AUTOTUNE_LOG}), "
+                        "the choice is printed at the end and kept in --metrics-out. The cycle "
+                        "time it also tries no longer paces the rounds of ringtrain's Horovod "
+                        "(a round starts when a tensor arrives): see docs/profiling.md")
 
 
 def validate(args: argparse.Namespace) -> argparse.Namespace:
@@ -176,7 +194,13 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     if args.tensorboard_steps and not args.tensorboard:
         raise UserError("--tensorboard-steps needs --tensorboard DIR (where to write)")
     model_spec.check_spec(args.model)
+    validate_performance(args, kind)
     return args
+
+
+def validate_performance(args: argparse.Namespace, data_kind: str) -> None:
+    """The checks of :func:`add_performance_args`' flags."""
+    horovod_tools.check_flags(args)
 
 
 def validate_world(args: argparse.Namespace, world_size: int) -> None:

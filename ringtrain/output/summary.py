@@ -66,6 +66,7 @@ class Summary:
     model: str = "cnn"  # --model: a built-in name or the user's package.module:function
     dataset: str = "mnist"
     data: dict[str, Any] | None = None  # --data: spec, input shape, classes, sizes, normalisation
+    autotune: dict[str, Any] | None = None  # --autotune: samples, finished, the chosen parameters
     host: dict[str, Any] = field(default_factory=lambda: {
         "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()})
 

@@ -8,10 +8,11 @@ so a problem ends every rank with the same one line instead of leaving some wait
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from ringtrain import flags
+from ringtrain import flags, horovod_tools
 from ringtrain.data import dataset as datasets
 from ringtrain.data.dataset import ArrayData, FolderData
 from ringtrain.errors import UserError
@@ -49,6 +50,8 @@ def check_output_folders(world: World | None, args: argparse.Namespace, param_co
                 param_count, args.momentum))
         if args.tensorboard:
             files.ensure_writable(args.tensorboard, "--tensorboard")
+        for flag, path in horovod_tools.output_files(args):  # --timeline-out, --autotune's log
+            files.ensure_writable(os.path.dirname(os.path.abspath(path)), flag)
 
     if world is None:
         check()
