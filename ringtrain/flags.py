@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ringtrain import horovod_tools, model_spec
-from ringtrain.data import dataset, images, mnist
+from ringtrain.data import dataset, decoded_cache, images, mnist
 from ringtrain.errors import UserError
 from ringtrain.lr import DECAY_RULES, SCALING_RULES
 
@@ -122,7 +122,7 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def add_performance_args(parser: argparse.ArgumentParser) -> None:
-    """Horovod's own tools (--timeline-out, --autotune)."""
+    """Horovod's own tools (--timeline-out, --autotune) and the decoded-image cache (issue 41)."""
     g = parser.add_argument_group("performance")
     g.add_argument("--timeline-out", default=None, metavar="FILE",
                    help="rank 0 writes Horovod's timeline here: every collective of every tensor "
@@ -136,6 +136,14 @@ def add_performance_args(parser: argparse.ArgumentParser) -> None:
                         "the choice is printed at the end and kept in --metrics-out. The cycle "
                         "time it also tries no longer paces the rounds of ringtrain's Horovod "
                         "(a round starts when a tensor arrives): see docs/profiling.md")
+    g.add_argument("--decode-cache", default=None, metavar="DIR",
+                   help="with --data folder:DIR: keep each decoded image's pixels (uint8) in a "
+                        "file per folder split under DIR, shared by the ranks of a host, so that "
+                        "epochs after the first read them instead of decoding (default "
+                        f"${decoded_cache.ENV}, else {decoded_cache.DEFAULT_DIR}); a folder "
+                        "without room or that cannot be written means no cache, with a warning")
+    g.add_argument("--no-decode-cache", action="store_true",
+                   help="with --data folder:DIR: decode every image in every epoch (no cache)")
 
 
 def validate(args: argparse.Namespace) -> argparse.Namespace:
@@ -201,6 +209,14 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
 def validate_performance(args: argparse.Namespace, data_kind: str) -> None:
     """The checks of :func:`add_performance_args`' flags."""
     horovod_tools.check_flags(args)
+    if data_kind != "folder" and (args.no_decode_cache or args.decode_cache is not None):
+        flag = "--no-decode-cache" if args.no_decode_cache else "--decode-cache"
+        raise UserError(f"{flag} works with --data folder:DIR only (the decoded images of an "
+                        f"image folder); drop it")
+    if args.no_decode_cache and args.decode_cache is not None:
+        raise UserError("--decode-cache DIR and --no-decode-cache contradict each other; drop one")
+    if args.decode_cache is not None and not args.decode_cache.strip():
+        raise UserError("--decode-cache needs a folder, got ''")
 
 
 def validate_world(args: argparse.Namespace, world_size: int) -> None:
