@@ -13,7 +13,7 @@ time it reads it.
 Why one file per host rather than one per rank: each epoch gives every rank another shard, so a
 rank's own file would hold only what it decoded itself (half the folder after one epoch at -np
 2), while the host's file holds, after the first epoch, every image any of its ranks read.
-BENCHMARKS.md section 8 has the measurement.
+(Not yet measured against a file per rank.)
 
 The pixels are kept before normalisation (``Normalization.apply`` runs on every read), so a
 changed ``--normalize`` needs no new cache.  What does invalidate it, held in the file's header
