@@ -7,7 +7,11 @@ DDP / MultiWorkerMirroredStrategy: one part, because they share runs), ``collect
 hosts with shaped links: collectives, bandwidth-bound training, cost model and projection; root
 only) and ``floor`` (Horovod's small-message floor on one host): ``--only cluster,floor``, what
 ``make bench-cluster`` runs; ``data`` (image folders read while training: memory against the
-folder's size, throughput against one fixed batch; PyTorch): ``--only data``.
+folder's size, throughput against one fixed batch; PyTorch): ``--only data``; ``ps`` (parameter
+servers against the ring: staleness against accuracy, a straggler, the server's link as root;
+PyTorch): ``--only ps``; ``pipeline`` (model parallelism: GPipe and 1F1B against the bubble
+formula, against data parallelism, a model too large for one rank's memory cap, and, as root, the
+bytes on a link between two emulated hosts; PyTorch): ``--only pipeline``.
 Each part's JSON is written to ``<out>/<part>.json`` as soon as it
 finishes; ``results.json`` merges the latest of each, so ``--only`` reruns one part and keeps the
 others.  ``--profile RUN`` runs only that run (names as printed, e.g.
@@ -30,7 +34,9 @@ from bench import (
     floor,
     machine,
     owndata,
+    pipeline,
     profiling,
+    ps,
     report,
     smoke,
     throughput,
@@ -145,6 +151,15 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             scale = owndata.smoke if args.smoke else owndata.quick if args.quick else owndata.full
             data = owndata.run_part(scale(supported), out)
+        elif part == "ps":
+            data = ps.run_part(ps.smoke() if args.smoke else ps.quick() if args.quick else ps.full(),
+                               out)
+        elif part == "pipeline":
+            if "torch" not in frameworks:
+                util.say("pipeline: measures torch only; skipped")
+                continue
+            scale = pipeline.smoke if args.smoke else pipeline.quick if args.quick else pipeline.full
+            data = pipeline.run_part(scale(), out)
         else:
             data = accuracy.run_part(cfg, out, frameworks)
         data["quick"] = cfg.quick or args.smoke

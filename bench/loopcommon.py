@@ -16,6 +16,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -67,6 +68,13 @@ def synthetic_batch(batch: int, seed: int, shape: tuple[int, int, int] = (28, 28
     MNIST's shape, the same numbers as before the shape was a parameter)."""
     rng = np.random.default_rng(seed)
     return rng.standard_normal((batch, *shape), dtype=np.float32), rng.integers(0, classes, batch)
+
+
+def image_data(shape: tuple[int, int, int], classes: int) -> SimpleNamespace:
+    """What a built-in model's builder reads of a :class:`ringtrain.data.dataset.DataInfo`, for
+    the loops' images (MNIST, synthetic or a folder: float32, height x width x channels)."""
+    return SimpleNamespace(input_shape=shape, num_classes=classes, image=True, input_dtype="float32",
+                           spec="bench")
 
 
 def trainer_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -31,10 +31,13 @@ peer's veth for a pair.  Delay and loss need ``sch_netem`` in the kernel; where 
 :meth:`Hosts.shape` raises :class:`Unavailable` instead of silently leaving them out
 (:func:`netem_missing` says so beforehand).
 
-ssh needs no changes to root's ~/.ssh: a throwaway key pair, host key, sshd config and client
-config live in a temporary folder, and a two-line ``ssh`` wrapper that adds ``-F <client config>``
-is put first on PATH, so horovodrun's own ssh checks, its task launchers and Open MPI's rsh agent
-all use it.  :meth:`Hosts.env` returns that environment.
+ssh needs no changes to root's ~/.ssh: a throwaway key pair, host key, sshd config, client
+config and ``known_hosts`` live in a temporary folder, and a two-line ``ssh`` wrapper that adds
+``-F <client config>`` is put first on PATH, so horovodrun's own ssh checks, its task launchers
+and Open MPI's rsh agent all use it.  :meth:`Hosts.env` returns that environment.  Host keys are
+checked, as on a cluster whose administrator distributes them: ``known_hosts``
+(:attr:`Hosts.known_hosts`) lists every host by name and address with the hosts' key, and
+horovodrun's ssh refuses a host missing from it (its ``--ssh-accept-new-hosts`` adds one).
 
 Everything is undone on exit, also after errors and Ctrl-C: every process left in the namespaces
 (sshd, ssh sessions, ranks) is killed, the namespaces (and with them the veths, the bridge and
@@ -116,6 +119,7 @@ class Hosts:
     identity_file: Path
     ssh_config: Path
     bin_dir: Path   # holds the ``ssh`` wrapper
+    known_hosts: Path  # every host's name and address with its key (the client config's file)
     iface: str = IFACE
     switch: str | None = None  # the bridge's namespace (N hosts); None for a veth pair
     shaped: LinkShape | None = field(default=None)
@@ -362,18 +366,24 @@ def _sshd_config(host: Host, workdir: Path) -> str:
     ]) + "\n"
 
 
-def _ssh_config(identity: Path) -> str:
+def _ssh_config(identity: Path, known_hosts: Path) -> str:
     return "\n".join([
         "Host *",
         f"  IdentityFile {identity}",
         "  IdentitiesOnly yes",
         "  BatchMode yes",
-        "  StrictHostKeyChecking no",
-        "  UserKnownHostsFile /dev/null",
+        "  StrictHostKeyChecking yes",
+        f"  UserKnownHostsFile {known_hosts}",
         "  GlobalKnownHostsFile /dev/null",
         "  ConnectTimeout 10",
         "  LogLevel ERROR",
     ]) + "\n"
+
+
+def _known_hosts(hosts: Sequence[Host], host_key_pub: Path) -> str:
+    """Every host by name and address with its sshd's key (they all serve one host key)."""
+    key_type, key = host_key_pub.read_text().split()[:2]
+    return "".join(f"{h.name},{h.addr} {key_type} {key}\n" for h in hosts)
 
 
 def _start_sshd(hosts: Hosts, host: Host) -> None:
@@ -474,8 +484,8 @@ def make_hosts(names: Sequence[str], *, prefix: str = PREFIX, subnet: str = "10.
     made_netns_etc = not NETNS_ETC.exists()
     cls = TwoHosts if topology == "pair" else Hosts
     hosts = cls(tuple(made), workdir, workdir / "id_ed25519", workdir / "ssh_config", workdir / "bin",
-                iface=iface, switch=f"{prefix}sw-{pid}" if topology == "bridge" else None,
-                hostnames=hostnames)
+                workdir / "known_hosts", iface=iface,
+                switch=f"{prefix}sw-{pid}" if topology == "bridge" else None, hostnames=hostnames)
     namespaces = [h.netns for h in made] + ([hosts.switch] if hosts.switch else [])
     created: list[str] = []
     try:
@@ -490,7 +500,8 @@ def make_hosts(names: Sequence[str], *, prefix: str = PREFIX, subnet: str = "10.
             _must(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(key)],
                   "ssh-keygen")
         shutil.copy(f"{hosts.identity_file}.pub", workdir / "authorized_keys")
-        _write(hosts.ssh_config, _ssh_config(hosts.identity_file))
+        _write(hosts.known_hosts, _known_hosts(made, workdir / "host_key.pub"))
+        _write(hosts.ssh_config, _ssh_config(hosts.identity_file, hosts.known_hosts))
         hosts.bin_dir.mkdir()
         ssh = shutil.which("ssh")
         _write(hosts.bin_dir / "ssh", f'#!/bin/sh\nexec {ssh} -F {hosts.ssh_config} "$@"\n', 0o755)

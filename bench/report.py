@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench import metrics, report_cluster, report_data, report_floor, util
+from bench import metrics, report_cluster, report_data, report_floor, report_pipeline, report_ps, util
 from bench.tables import FW_NAMES, find, gbs, ips, memory_limit, num, pct, size, table, x
 
 FW = FW_NAMES
@@ -24,9 +24,10 @@ def _rel(target: Path, base: Path) -> str:
         return str(target)
 
 
-PARTS = ("throughput", "collectives", "accuracy", "cluster", "floor", "data")
+PARTS = ("throughput", "collectives", "accuracy", "cluster", "floor", "data", "ps", "pipeline")
 DEFAULT_PARTS = ("throughput", "collectives", "accuracy")  # cluster, floor: `make bench-cluster`;
-# data: `python -m bench --only data` (about 30 min on 2 cores)
+# data: `python -m bench --only data` (about 30 min on 2 cores); ps: `python -m bench --only ps`
+# (parameter servers; its link table as root)
 WITHHELD = "-"  # a comparison cell in quick mode
 
 
@@ -366,7 +367,8 @@ def profile(res: dict) -> list[str]:
 def render(res: dict) -> str:
     parts = [header(res), limits(res), throughput(res), horovod_cost(res), peers(res),
              collectives(res), accuracy(res), report_cluster.section(res),
-             report_floor.section(res), report_data.section(res), profile(res)]
+             report_floor.section(res), report_data.section(res), report_ps.section(res),
+             report_pipeline.section(res), profile(res)]
     return "\n".join(line for part in parts for line in part).rstrip() + "\n"
 
 

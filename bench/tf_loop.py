@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-from types import SimpleNamespace
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -36,6 +35,7 @@ import tensorflow as tf  # noqa: E402
 from bench.loopcommon import (  # noqa: E402
     StepClock,
     folder_batches,
+    image_data,
     mnist_shard,
     parser,
     synthetic_batch,
@@ -98,7 +98,7 @@ def main() -> None:
         ds = dataset(args, rank, size, args.batch_size, folder)
         scope = tf.name_scope("bench")
     with scope:
-        net = build(args.model, SimpleNamespace(input_shape=shape, num_classes=classes), 0.5)
+        net = build(args.model, image_data(shape, classes), 0.5)
         optimizer = keras.optimizers.SGD(args.base_lr * size, momentum=0.9)
         optimizer.build(net.trainable_variables)
     if hvd is not None:

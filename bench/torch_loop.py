@@ -11,7 +11,6 @@ sampler and its workers) and also reports the workers' cores busy.
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from bench.loopcommon import (
     StepClock,
     folder_batches,
+    image_data,
     mnist_shard,
     parser,
     slowest_torch,
@@ -70,7 +70,7 @@ def main() -> None:
     else:
         shape, classes = args.input_shape, args.classes
     torch.manual_seed(rank)
-    model = build(args.model, SimpleNamespace(input_shape=shape, num_classes=classes), 0.5).to(device)
+    model = build(args.model, image_data(shape, classes), 0.5).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.base_lr * size, momentum=0.9)
     if hvd is not None:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())

@@ -27,6 +27,10 @@ from ringtrain.training.elastic import check_launcher
 # framework -> (fixed-size trainer, elastic trainer); each module's ``train(args)`` runs a job.
 TRAINERS = {"torch": ("torch_models.train", "torch_models.elastic"),
             "tf": ("tf_models.train", "tf_models.elastic")}
+# --strategy ps (issue 39): each framework's parameter-server trainer (fixed-size jobs only).
+PS_TRAINERS = {"torch": "torch_models.ps", "tf": "tf_models.ps"}
+# --pipeline-stages > 1 (model parallelism, a fixed-size job): the framework's pipeline trainer.
+PIPELINE_TRAINERS = {"torch": "torch_models.pipeline", "tf": "tf_models.pipeline"}
 _PACKAGES = {"torch": ("torch", "horovod.torch"), "tf": ("tensorflow", "horovod.tensorflow")}
 _INSTALL_HINT = "run 'make setup' (or bash .ci/setup) to install the pinned stack and build Horovod"
 # The patch series this checkout builds Horovod with; absent where ringtrain is installed without it.
@@ -85,8 +89,10 @@ def horovod_build_problem(series: Path = CHECKOUT_SERIES, package_dir: Path | No
             f"run 'make setup' to rebuild it (or set {ANY_HOROVOD}=1 to use it anyway)")
 
 
-def import_trainer(framework: str, elastic: bool = False) -> ModuleType:
-    """The framework's trainer module (its elastic one under ``elastic``), after checking that the
+def import_trainer(framework: str, elastic: bool = False, strategy: str = "ring",
+                   pipeline: bool = False) -> ModuleType:
+    """The framework's trainer module (its elastic one under ``elastic``, its parameter-server
+    one for ``strategy`` ps, its pipeline one under ``pipeline``), after checking that the
     framework and Horovod's extension for it import."""
     if framework not in TRAINERS:
         raise UserError(f"unknown framework {framework!r}; choose one of {', '.join(TRAINERS)}")
@@ -111,6 +117,10 @@ def import_trainer(framework: str, elastic: bool = False) -> ModuleType:
         except ImportError as err:
             raise UserError(f"{horovod_pkg} cannot be imported ({err}); Horovod was not built with "
                             f"{framework_pkg} support: {_INSTALL_HINT}") from None
+        if strategy == "ps":
+            return importlib.import_module(PS_TRAINERS[framework])
+        if pipeline:
+            return importlib.import_module(PIPELINE_TRAINERS[framework])
         return importlib.import_module(TRAINERS[framework][1 if elastic else 0])
 
 
@@ -120,5 +130,6 @@ def run(framework: str, args: argparse.Namespace, own_signals: bool = True) -> i
     check_launcher(args.elastic)
     if own_signals:
         termination.install()  # SIGTERM: finish a save under way, then exit 143 with one line
-    import_trainer(framework, elastic=args.elastic).train(args)
+    import_trainer(framework, elastic=args.elastic, strategy=args.strategy,
+                   pipeline=args.pipeline_stages > 1).train(args)
     return 0

@@ -28,7 +28,7 @@ SSH_ANSWER_SECONDS = 5.0
 _LOCAL = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
 
 
-# horovodrun 0.28.1's flags that take no value (from its parser); every other flag takes one.
+# horovodrun's flags that take no value (from its parser); every other flag takes one.
 _NO_VALUE = frozenset((
     "--autotune", "--no-autotune", "--disable-cache", "--gloo", "--mpi", "--jsrun", "--tcp",
     "--verbose", "--hierarchical-allgather", "--no-hierarchical-allgather",
@@ -36,7 +36,8 @@ _NO_VALUE = frozenset((
     "--log-without-timestamp", "--mpi-threads-disable", "--no-mpi-threads-disable",
     "--stall-check", "--no-stall-check", "--timeline-mark-cycles", "--no-timeline-mark-cycles",
     "--torus-allreduce", "--no-torus-allreduce", "--prefix-output-with-timestamp",
-    "-prefix-timestamp", "-cb", "--check-build", "-h", "--help", "-v", "--version"))
+    "-prefix-timestamp", "-cb", "--check-build", "-h", "--help", "-v", "--version",
+    "--ssh-accept-new-hosts"))  # ringtrain's Horovod (ssh-host-key-checking.patch)
 
 
 def own_flags(argv: list[str]) -> list[str]:

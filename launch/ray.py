@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args: argparse.Namespace) -> argparse.Namespace:
     """The trainer flags (:func:`ringtrain.flags.validate`) and the Ray flags; no Ray, no framework."""
     flags.validate(args)
+    if args.strategy == "ps":  # its transfers are MPI's; Ray's workers run Gloo
+        raise UserError(flags.PS_NEEDS_MPI.format(what="Ray (horovod.ray, over Gloo)"))
+    if args.pipeline_stages > 1:
+        raise UserError("--pipeline-stages: Horovod on Ray runs with Gloo, which has no messages "
+                        "between two ranks (a pipeline's activations travel over MPI); run the "
+                        "pipeline with horovodrun, mpirun or srun")
     if args.elastic:
         if args.num_workers is not None:
             raise UserError("an --elastic job sizes itself: give --min-workers (and --max-workers) "

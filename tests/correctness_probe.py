@@ -10,8 +10,10 @@ checkpoint folder and metrics file.
 
 ``plan.json`` holds ``[{"args": [...], "seed_from": "folder or null"}, ...]``; a run with a
 ``seed_from`` first gets the newest checkpoint of that folder copied into its ``--checkpoint-dir``
-(by rank 0, the only rank that reads checkpoints), so a resumed run can start from an earlier
-run's output, in this group or another.
+(by rank 0, before any rank reads it: the copy comes before the run's first collective; a
+pipeline's checkpoint is one file per stage, all copied), so a resumed run can start from an
+earlier run's output, in this group or another.  Runs of one launch share one pipeline layout
+(Horovod's process sets are fixed when it is first initialised in the process).
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ from ringtrain.errors import launcher_rank  # noqa: E402
 
 
 def main(framework: str, plan_path: str) -> int:
-    trainer = import_trainer(framework)
     for run in json.loads(Path(plan_path).read_text()):
         args = cli.parse(framework, run["args"])
+        trainer = import_trainer(framework, strategy=args.strategy,
+                                 pipeline=args.pipeline_stages > 1)
         if run.get("seed_from") and launcher_rank() == 0:
-            newest = sorted(Path(run["seed_from"]).glob("ckpt-epoch*.*"))[-1]
+            newest = sorted(Path(run["seed_from"]).glob("ckpt-epoch*.*"))[-1].name[:len("ckpt-epoch0000")]
             dest = Path(args.checkpoint_dir)
             dest.mkdir(parents=True, exist_ok=True)
-            shutil.copy(newest, dest / newest.name)
+            for path in Path(run["seed_from"]).glob(f"{newest}*"):
+                shutil.copy(path, dest / path.name)
         trainer.train(args)
     return 0
 

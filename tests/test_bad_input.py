@@ -25,6 +25,13 @@ SMALL = ["--train-samples", "256", "--test-samples", "100", "--epochs", "1", "--
     (["--commit-every", "0"], "--commit-every must be a positive number of steps"),
     (["--elastic", "--adasum"], "--adasum needs a power-of-two world size"),
     (["--elastic", "--amp"], "--amp is not supported with --elastic"),
+    (["--strategy", "ps", "--staleness", "-1"],
+     "--staleness must be a whole number of steps >= 0 or inf, got '-1'"),
+    (["--strategy", "ps", "--staleness", "soon"], "got 'soon'"),
+    (["--strategy", "ps", "--elastic"], "--strategy ps cannot run with --elastic: an elastic job"),
+    (["--strategy", "ps", "--adasum"], "--strategy ps cannot run with --adasum: Adasum"),
+    (["--strategy", "ps", "--ps-servers", "0"], "--ps-servers must be at least 1"),
+    (["--staleness", "4"], "add --strategy ps"),
 ])
 def test_bad_flags(module, flags, needle):
     one_error_line(run([sys.executable, "-m", module, *flags]), needle)
@@ -123,3 +130,42 @@ def test_elastic_launcher_without_the_flag():
     """A fixed-size trainer under an elastic driver would die with its first lost worker."""
     proc = run([sys.executable, "-m", "launch.torch_mnist", *SMALL], env={"HOROVOD_ELASTIC": "1"})
     one_error_line(proc, "add --elastic")
+
+
+# --- --strategy ps (docs/parameter-servers.md) ----------------------------------------------------
+
+def test_parameter_servers_refuse_pipeline_stages():
+    """Refused before any process starts, whichever of the two flags came first (--pipeline-stages
+    is another strategy's flag: the check reads it where it exists)."""
+    import argparse
+
+    from launch.cli import build_parser
+    from ringtrain import flags
+    from ringtrain.errors import UserError
+
+    args = build_parser("torch").parse_args(["--strategy", "ps"])
+    with pytest.raises(UserError, match="cannot run with --pipeline-stages: pipeline stages split"):
+        flags.check_strategy(argparse.Namespace(**{**vars(args), "pipeline_stages": 2}))
+    flags.check_strategy(argparse.Namespace(**{**vars(args), "pipeline_stages": 1}))
+
+
+@requires_horovod
+def test_parameter_servers_need_a_worker_on_every_rank():
+    """--ps-servers 2 of 2 processes: every rank stops after hvd.init(), with one line."""
+    proc = train("launch.torch_mnist", [*SMALL, "--strategy", "ps", "--ps-servers", "2"], np=2,
+                 expect_ok=False, timeout=180)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and "--ps-servers 2 leaves no worker among 2 processes" in errors[0]
+
+
+@requires_horovod
+def test_parameter_servers_refuse_gloo():
+    """What horovodrun --gloo (and Ray) start: no MPI for the point-to-point transfers."""
+    proc = run([sys.executable, "-m", "launch.tf_mnist", *SMALL, "--strategy", "ps"],
+               env={"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"})
+    one_error_line(proc, "--strategy ps moves the parameters point to point with MPI",
+                   "horovodrun --gloo", "run it under horovodrun without --gloo, or mpirun")
+    proc = run([sys.executable, "-m", "launch.ray", "--framework", "torch", "--num-workers", "2",
+                "--strategy", "ps"])
+    one_error_line(proc, "--strategy ps moves the parameters point to point with MPI", "Ray")

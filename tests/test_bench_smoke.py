@@ -1,14 +1,15 @@
 """Every benchmark entry point at its smallest size, so that an import or API drift fails here and
 not in the next full run of the suite.
 
-* each part of ``python -m bench --smoke`` (throughput, collectives, accuracy, floor; as root the
-  cluster), ``--profile`` (its samples where py-spy is installed), and SIGTERM to the driver;
+* each part of ``python -m bench --smoke`` (throughput, collectives, accuracy, floor, pipeline;
+  as root the cluster), ``--profile`` (its samples where py-spy is installed), and SIGTERM to the driver;
 * every worker the parts launch: ``bench/torch_loop.py``, ``bench/tf_loop.py`` and
   ``bench/rankexec.py`` (throughput, floor), ``bench/coll_worker.py`` (collectives, floor, cluster,
   and its hierarchical mode here), ``bench/bigmodel_torch.py`` and ``bench/bigmodel_tf.py`` (here,
   with each wrapper that starts or exchanges differently, and in the cluster), ``bench/linkprobe.py``
   (here, and in the cluster);
-* ``python -m bench.cluster_cells`` (as root) and ``python -m bench.report``.
+* ``python -m bench.cluster_cells`` (as root), ``python -m bench.report``, and
+  ``bench/memlimit.py`` (in the pipeline part).
 
 What is asserted is what the report needs and what the runs must get right (every record ok, each
 rank accounted for, the sums an allreduce must produce, identical weights on every rank after an
@@ -135,6 +136,32 @@ def test_accuracy_part(tmp_path):
     assert "## 5. Time to 0% test accuracy" in md
 
 
+@pytest.mark.timeout(2 * LIMIT + 60)
+def test_pipeline_part(tmp_path):
+    """A schedule run, pipeline against data parallel, the memory cells (the same model under the
+    same cap: S = 1 fails to allocate, S = 2 trains, each rank holding about half the weights)
+    and, as root, the bytes on a link between two hosts."""
+    out, md = bench(tmp_path, "--only", "pipeline", timeout=2 * LIMIT)
+    data = json.loads((out / "pipeline.json").read_text())
+    (sched,) = data["schedules"]
+    assert sched["ok"], sched.get("error")
+    assert sched["formula_bubble"] == pytest.approx(1 / 3) and 0 <= sched["measured_bubble"] < 1
+    assert [r["ok"] for r in data["versus_dp"]] == [True, True], failed(data["versus_dp"])
+    s1, s2 = data["memory"]["cells"]
+    assert not s1["ok"] and s1["allocation_failed"], s1.get("error")
+    assert s2["ok"], s2.get("error")
+    whole = data["memory"]["weight_bytes"]
+    assert sum(s2["param_bytes"]) == whole and max(s2["param_bytes"]) < 0.6 * whole
+    assert len(s2["ranks"]) == 2 and all(r["peak_rss_bytes"] > 0 for r in s2["ranks"])
+    link = data.get("link")
+    if link is not None and "skipped" not in link:
+        assert [r["kind"] for r in link["rows"]] == ["data-parallel", "pipeline"]
+        assert all(r["ok"] for r in link["rows"]), link["rows"]
+        for r in link["rows"]:  # the kernel counted at least what the formula says crosses
+            assert min(r["tx_per_step"], r["rx_per_step"]) >= r["formula_each_way"]
+    assert "## 9. Model parallelism" in md
+
+
 def test_floor_part(tmp_path):
     """Every cell kind of the floor part once: the allreduce on both loops (0.28.1's and the
     patched one) and mpi4py, fusion, a waiting rank, the trainer, the loop and DDP on the patched
@@ -152,6 +179,26 @@ def test_floor_part(tmp_path):
     assert {r["wrapper"] for r in fl["training"]} == {"horovod", "ddp"}
     assert all(r["images_per_second"] > 0 for r in fl["training"])
     assert "## 7." in md and "QUICK MODE" in md
+
+
+@pytest.mark.timeout(3 * LIMIT + 60)
+def test_ps_part(tmp_path):
+    """Parameter servers: one staleness cell, the straggler wrapper around the servers, and (as
+    root) the link cells, ring and servers, on two namespace hosts; section 9 renders."""
+    out, md = bench(tmp_path, "--only", "ps", timeout=3 * LIMIT)
+    part = json.loads((out / "ps.json").read_text())
+    cells = part["staleness"] + part["straggler"] + part["link"].get("rows", [])
+    assert all(c["ok"] for c in cells), failed(cells)
+    (cell,) = part["staleness"]
+    assert cell["applied"] == 2 * (256 // 2 // 32) and cell["staleness_max"] >= 0
+    assert [r["label"] for r in part["straggler"]] == ["ps staleness 4"]
+    assert all(r["seconds_to_target"] is not None for r in part["straggler"])  # the target is 0%
+    if netns_hosts.why_unavailable() is None:
+        assert {(r["strategy"], r["hosts"]) for r in part["link"]["rows"]} == {("ring", 2), ("ps", 2)}
+        assert all(r["rx_per_step"] > 0 and r["tx_per_step"] > 0 for r in part["link"]["rows"])
+    else:
+        assert "skipped" in part["link"]
+    assert "## 9. Parameter servers" in md and "### 9.3" in md
 
 
 def test_profile(tmp_path):

@@ -73,6 +73,11 @@ INV6 = ["--train-samples", "256", "--test-samples", "100", "--batch-size", "32",
         "--warmup-epochs", "2", "--lr-decay", "none", "--base-lr", "0.01", "--no-progress"]
 INV7 = [*PLAIN, "--train-samples", str(2 * 4 * 64)]
 INV8 = [*PLAIN, "--train-samples", "384", "--batch-size", "32"]
+# --strategy ps (docs/parameter-servers.md): the ring's whole LR rule (warm-up, cosine decay),
+# momentum and shuffled shards; only dropout off (its masks follow each rank's seed).
+PS = ["--momentum", "0.9", "--dropout", "0", "--warmup-epochs", "1", "--base-lr", "0.05",
+      "--test-samples", "200", "--no-progress", "--epochs", "2", "--train-samples", "192",
+      "--batch-size", "16"]
 
 # group -> (world size, launcher, groups whose outputs it resumes from, [(tag, args, seed run)])
 GROUPS: dict[str, tuple[int, str, tuple[str, ...], list[tuple[str, list[str], str | None]]]] = {
@@ -82,6 +87,7 @@ GROUPS: dict[str, tuple[int, str, tuple[str, ...], list[tuple[str, list[str], st
         ("inv3-resume", [*INV3, "--epochs", "2", "--batch-size", "32", "--resume"], "single/inv3-first"),
         ("inv5-src", [*INV5, "--train-samples", "256", "--batch-size", "32"], None),
         ("inv8-init", [*INV8, "--base-lr", "1e-12"], None),
+        ("ps-single", PS, None),
     ]),
     "mpi2": (2, "horovodrun", ("single",), [
         ("inv2", [*INV2, "--batch-size", str(GLOBAL_BATCH // 2)], None),
@@ -94,6 +100,17 @@ GROUPS: dict[str, tuple[int, str, tuple[str, ...], list[tuple[str, list[str], st
         ("inv8-full", INV8, None),
         ("inv8-half", [*INV8, "--fp16-allreduce"], None),
         ("inv8-predivide", [*INV8, "--gradient-predivide-factor", "2"], None),
+        ("ps-ring", PS, None),
+    ]),
+    # 2 servers + 2 workers at K=0 (== mpi2/ps-ring), 3 servers + 1 worker at K=4 (==
+    # single/ps-single), 1 server + 3 workers at K=inf (the counters), and a ring checkpoint with
+    # momentum resumed on 2 servers (== single/inv3-resume)
+    "ps4": (4, "horovodrun", ("single",), [
+        ("k0", [*PS, "--strategy", "ps", "--ps-servers", "2", "--staleness", "0"], None),
+        ("one", [*PS, "--strategy", "ps", "--ps-servers", "3", "--staleness", "4"], None),
+        ("inf", [*PS, "--strategy", "ps", "--staleness", "inf"], None),
+        ("inv3-resume", [*INV3, "--epochs", "2", "--batch-size", "16", "--resume", "--strategy",
+                         "ps", "--ps-servers", "2"], "single/inv3-first"),
     ]),
     "mpi3": (3, "horovodrun", ("single",), [
         ("inv2", [*INV2, "--batch-size", str(GLOBAL_BATCH // 3)], None),
@@ -224,3 +241,34 @@ def test_invariant_8_fp16_compression(fw, runs):
 def test_invariant_8_gradient_predivide_factor(fw, runs):
     assert len(set(runs.metrics(fw, "mpi2/inv8-predivide")["param_checksums"])) == 1
     assert_same_params(runs.params(fw, "mpi2/inv8-predivide"), runs.params(fw, "mpi2/inv8-full"))
+
+
+# 10: parameter servers (docs/parameter-servers.md): staleness 0 is the ring's math, one worker
+# is single-process SGD, every pushed gradient is applied exactly once, and checkpoints resume
+# across strategies.
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_invariant_10_parameter_servers(fw, runs):
+    k0, one, inf = (runs.metrics(fw, f"ps4/{r}") for r in ("k0", "one", "inf"))
+    assert [m["strategy"] for m in (k0, one, inf)] == ["ps"] * 3
+    for m in (k0, one, inf):
+        assert len(set(m["param_checksums"])) == 1, "every rank ends with the servers' weights"
+        assert m["ps"]["exactly_once"]
+    # K = 0 with 2 workers on 2 servers: the ring's weights at -np 2 after 12 steps (warm-up,
+    # cosine decay, momentum 0.9, shuffled shards), and the same per-epoch losses
+    assert k0["ps"]["staleness_histogram"] == {"0": 24}
+    assert_same_params(runs.params(fw, "ps4/k0"), runs.params(fw, "mpi2/ps-ring"))
+    ring = runs.metrics(fw, "mpi2/ps-ring")
+    assert [e["train_loss"] for e in k0["epochs"]] == pytest.approx(
+        [e["train_loss"] for e in ring["epochs"]], rel=1e-5)
+    # One worker, staleness 4, its 24 gradients over 3 servers: single-process SGD
+    assert one["ps"]["workers"] == 1 and one["ps"]["gradients_pushed"] == 24
+    assert_same_params(runs.params(fw, "ps4/one"), runs.params(fw, "single/ps-single"))
+    # Staleness inf, 3 workers: every one of the 2 x 3 x 4 gradients applied once, none lost
+    ps_ = inf["ps"]
+    assert ps_["gradients_pushed"] == 24 == sum(ps_["pushed"]) == ps_["gradients_applied"][0]
+    assert ps_["applied"] == ps_["received"] == [ps_["pushed"]]
+    assert sum(ps_["staleness_histogram"].values()) == 24
+    # A ring checkpoint with momentum, resumed on 2 servers (its momentum split between them)
+    resumed = runs.metrics(fw, "ps4/inv3-resume")
+    assert resumed["resumed_from_epoch"] == 1
+    assert_same_params(runs.params(fw, "ps4/inv3-resume"), runs.params(fw, "single/inv3-resume"))

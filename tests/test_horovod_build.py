@@ -88,7 +88,7 @@ def test_without_a_checkout_a_horovod_that_records_no_patch_is_still_refused(tmp
     nowhere = tmp_path / "no-patch-here"
     foreign = horovod_build_problem(nowhere, record(tmp_path / "foreign", None))
     assert foreign and "was not built by ringtrain's setup" in foreign, foreign
-    assert horovod_build_problem(nowhere, record(tmp_path / "ours", b"some patch\n")) is None
+    assert horovod_build_problem(nowhere, record(tmp_path / "ours", "0f" * 32)) is None
 
 
 @requires_horovod

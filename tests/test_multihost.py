@@ -7,9 +7,11 @@ elsewhere the whole module is skipped with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,9 +42,10 @@ hvd.shutdown()
 '''
 
 
-def horovodrun(hosts: netns_hosts.TwoHosts, controller: str, command: list[str], tmp_path: Path,
-               options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """Run ``command`` on both hosts with horovodrun started on host A, as a user would.
+def launch(hosts: netns_hosts.TwoHosts, controller: str, command: list[str], tmp_path: Path,
+           options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run ``command`` on both hosts with horovodrun started on host A, as a user would; return
+    how it ended, whatever that was.
 
     --disable-cache: horovodrun otherwise keeps its ssh and interface checks in ~/.horovod for an
     hour, keyed by -H, and a later run would trust checks made against hosts that are gone.
@@ -57,11 +60,19 @@ def horovodrun(hosts: netns_hosts.TwoHosts, controller: str, command: list[str],
     except subprocess.TimeoutExpired:  # run_in has killed everything it started on both hosts
         pytest.fail(f"horovodrun --{controller} across two hosts did not finish in {TIMEOUT}s: "
                     f"{' '.join(cmd)}")
-    (tmp_path / "horovodrun.log").write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
+    with open(tmp_path / "horovodrun.log", "a") as log:
+        log.write(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\n")
+    hosts.kill_strays()  # a clean run leaves nothing; make sure of it for the next one
+    return proc
+
+
+def horovodrun(hosts: netns_hosts.TwoHosts, controller: str, command: list[str], tmp_path: Path,
+               options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """:func:`launch`, which must succeed."""
+    proc = launch(hosts, controller, command, tmp_path, options)
     if proc.returncode != 0:
         pytest.fail(f"horovodrun --{controller} across two hosts failed (rc={proc.returncode}):\n"
                     f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    hosts.kill_strays()  # a clean run leaves nothing; make sure of it for the next test
     return proc
 
 
@@ -95,3 +106,78 @@ def test_trainer_across_hosts_ends_identical(hosts, controller, tmp_path):
     assert m["controller"] == controller
     assert len(m["param_checksums"]) == 2
     assert len(set(m["param_checksums"])) == 1, m["param_checksums"]
+
+
+# Each rank writes down the namespace it ran in (no Horovod needed: horovodrun started it).
+WHERE = ('import os, sys; '
+         'open(sys.argv[1] + os.environ["HOROVOD_RANK"], "w").write(os.readlink("/proc/self/ns/net"))')
+
+
+@contextlib.contextmanager
+def known_hosts(hosts: netns_hosts.TwoHosts, text: str) -> Iterator[Path]:
+    """The hosts' known_hosts file (what every ssh here reads) holding ``text`` for a while."""
+    saved = hosts.known_hosts.read_text()
+    hosts.known_hosts.write_text(text)
+    try:
+        yield hosts.known_hosts
+    finally:
+        hosts.known_hosts.write_text(saved)
+
+
+def test_horovodrun_checks_ssh_host_keys(hosts, tmp_path):
+    """horovodrun writes the job's key on the standard input of the ssh sessions that start its
+    workers, so it must reach only the hosts it means: host B missing from known_hosts is refused
+    before anything runs anywhere, with what to do; --ssh-accept-new-hosts trusts it on first use
+    (ssh's accept-new) and records its key; a key that changed is refused even then.  (Horovod
+    0.28.1 ran ssh with StrictHostKeyChecking=no: the first launch ran on both hosts.)"""
+    a, b = hosts.hosts
+    ran = tmp_path / "ran-"
+    where = [sys.executable, "-c", WHERE, str(ran)]
+
+    def ran_on() -> list[str]:
+        found = sorted(tmp_path.glob("ran-*"))
+        texts = [p.read_text() for p in found]
+        for p in found:
+            p.unlink()
+        return texts
+
+    with known_hosts(hosts, ""):
+        refused = launch(hosts, "gloo", where, tmp_path)
+    out = refused.stdout + refused.stderr
+    assert refused.returncode != 0, out[-3000:]
+    assert "Host key verification failed" in out and f"add {b.name} to ~/.ssh/known_hosts" in out, out[-3000:]
+    assert "--ssh-accept-new-hosts" in out
+    assert ran_on() == [], "a worker started although host B's key is unknown"
+
+    with known_hosts(hosts, "") as recorded:
+        accepted = launch(hosts, "gloo", where, tmp_path, options=("--ssh-accept-new-hosts",))
+        learned = subprocess.run(["ssh-keygen", "-F", b.name, "-f", str(recorded)], capture_output=True,
+                                 text=True, timeout=30).stdout
+    assert accepted.returncode == 0, (accepted.stdout + accepted.stderr)[-3000:]
+    assert ran_on() == [f"net:[{h.netns_inode()}]" for h in hosts.hosts]
+    key_type, key = (hosts.workdir / "host_key.pub").read_text().split()[:2]
+    assert f"{key_type} {key}" in learned, "accept-new records host B's key in known_hosts"
+
+    other = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True,
+                   timeout=30)
+    changed = " ".join(Path(f"{other}.pub").read_text().split()[:2])
+    with known_hosts(hosts, f"{b.name},{b.addr} {changed}\n"):
+        refused = launch(hosts, "gloo", where, tmp_path, options=("--ssh-accept-new-hosts",))
+    assert refused.returncode != 0
+    assert "Host key verification failed" in refused.stdout + refused.stderr
+    assert ran_on() == [], "a worker started on a host whose key changed"
+
+
+def test_horovodruns_ssh_checks_host_keys_unless_told(monkeypatch):
+    """Every ssh command horovodrun builds (its check, the interface probes, Gloo and elastic
+    workers) asks ssh to check host keys; the flag and its variable turn on accept-new only."""
+    from horovod.runner.launch import parse_args
+    from horovod.runner.util.remote import SSH_ACCEPT_NEW_HOSTS, get_remote_command
+
+    monkeypatch.delenv(SSH_ACCEPT_NEW_HOSTS, raising=False)
+    assert "-o StrictHostKeyChecking=yes " in get_remote_command("true", "h")
+    monkeypatch.setenv(SSH_ACCEPT_NEW_HOSTS, "1")
+    assert "-o StrictHostKeyChecking=accept-new " in get_remote_command("true", "h")
+    monkeypatch.setattr(sys, "argv", ["horovodrun", "-np", "2", "--ssh-accept-new-hosts", "true"])
+    assert parse_args().ssh_accept_new_hosts

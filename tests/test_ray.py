@@ -267,6 +267,39 @@ def test_the_ray_layer_imports_no_framework():
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
+@requires_horovod
+@requires_ray
+def test_every_ray_executor_has_a_job_key_of_its_own():
+    """The key that signs an executor's rendezvous requests is its own: executors made in one
+    process, from one settings object or from two, hold different keys, each executor's
+    rendezvous server and its workers' environment carry that key, and a request signed with
+    another executor's key is refused there.  (0.28.1 made MiniSettings.key once, at import:
+    every executor of the process shared it.)  No Ray cluster is started."""
+    from horovod.ray.runner import Coordinator, MiniSettings, RayExecutor
+    from test_rendezvous_auth import KEY_VAR, request, sign
+
+    shared = RayExecutor.create_settings(timeout_s=30)
+    executors = [RayExecutor(shared, num_workers=1), RayExecutor(shared, num_workers=1),
+                 RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=1),
+                 RayExecutor(MiniSettings(), min_workers=1, max_workers=2)]
+    keys = [e.settings.key for e in executors]
+    assert len(set(keys)) == len(keys) and all(len(k) == 32 for k in keys)
+    coordinators = []
+    try:
+        for executor in executors[:2]:
+            coordinator = Coordinator(executor.settings)
+            coordinator.register("localhost", "node-1", 0)
+            env = coordinator.establish_rendezvous()
+            coordinators.append(coordinator)
+            assert env[KEY_VAR] == executor.settings.key.hex()
+        port = coordinators[0].global_rendezv_port
+        assert request(port, "GET", "/global/0", headers=sign(keys[1], "GET", "/global/0"))[0] == 403
+        assert request(port, "GET", "/global/0", headers=sign(keys[0], "GET", "/global/0"))[0] == 404
+    finally:
+        for coordinator in coordinators:
+            coordinator.rendezvous.stop()
+
+
 # --- training on a local Ray ---------------------------------------------------------------------
 
 @requires_horovod

@@ -8,8 +8,10 @@ anything else with 403 before it reads the path or unpickles the body, and binds
 one address the workers are given.  docs/security.md says what is defended and what is not.
 
 The forged bodies here unpickle into ``os.system("touch MARKER")``: the marker file exists exactly
-when someone unpickled one.  A positive control (a correctly signed forged PUT, which a server must
-accept from a job member) shows the marker does appear when the body is unpickled.
+when someone unpickled one (``test_the_forged_body_is_a_real_exploit`` is the positive control).
+A holder of the job's key gets no further: the bodies and messages of horovodrun's own processes
+are JSON (.ci/horovod-patches/rendezvous-plain-worker-addresses.patch, services-plain-messages.patch),
+and a signed pickle is refused unread.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import http.server
 import json
 import os
 import pickle
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -136,14 +140,19 @@ def test_unsigned_badly_signed_and_wrongly_keyed_requests_never_reach_unpickling
     assert server._httpd.refused == len(attempts) + 8
 
 
-def test_signed_requests_work_and_the_answers_are_signed(elastic_server, tmp_path):
-    """A job member's signed requests are served, each answer signed for that request; and the
-    positive control: a signed forged body IS unpickled, so the marker would have shown it above."""
-    from horovod.runner.common.util import codec
+def test_the_forged_body_is_a_real_exploit(tmp_path):
+    """The positive control for every marker below: unpickled as Horovod 0.28.1's codec did it,
+    the forged body runs its command."""
+    marker = tmp_path / "ran"
+    pickle.loads(base64.b64decode(forged_body(marker)))  # the exploit, on purpose
+    assert marker.exists()
 
+
+def test_signed_requests_work_and_the_answers_are_signed(elastic_server):
+    """A job member's signed requests are served, each answer signed for that request."""
     server, port, key, driver = elastic_server
     put = "/worker_addresses/localhost:0"
-    value = codec.dumps_base64(({"lo": [("127.0.0.1", 1234)]}, b"worker key"), to_ascii=False)
+    value = json.dumps({"addresses": {"lo": [["127.0.0.1", 1234]]}}).encode()
     headers = sign(key, "PUT", put, value)
     status, answer, _ = request(port, "PUT", put, value, headers)
     assert status == 200
@@ -160,10 +169,124 @@ def test_signed_requests_work_and_the_answers_are_signed(elastic_server, tmp_pat
     assert status == 200 and driver.ready == [("localhost", 0)]
     assert body.decode().split(",")[:2] == ["0", "1"]  # rank 0 of 1
 
+
+NOT_WORKER_ADDRESSES = {
+    "empty": b"",
+    "not UTF-8": b"\xff\xfe",
+    "not JSON": b"{addresses",
+    "a list": b"[]",
+    "no addresses": b"{}",
+    "another key too": b'{"addresses": {"lo": [["127.0.0.1", 1]]}, "key": "x"}',
+    "no interface": b'{"addresses": {}}',
+    "an interface without addresses": b'{"addresses": {"lo": []}}',
+    "an address that is no pair": b'{"addresses": {"lo": [["127.0.0.1"]]}}',
+    "port 0": b'{"addresses": {"lo": [["127.0.0.1", 0]]}}',
+    "port 65536": b'{"addresses": {"lo": [["127.0.0.1", 65536]]}}',
+    "a boolean port": b'{"addresses": {"lo": [["127.0.0.1", true]]}}',
+    "a port as text": b'{"addresses": {"lo": [["127.0.0.1", "22"]]}}',
+    "a host name": b'{"addresses": {"lo": [["localhost", 22]]}}',
+    "deeply nested": b"[" * 100_000 + b"]" * 100_000,
+}
+
+
+def test_a_signed_worker_addresses_body_that_is_not_plain_json_is_refused_unread(elastic_server, tmp_path):
+    """Holding the job's key is not enough to run code in the elastic driver: the body of PUT
+    /worker_addresses is JSON that the driver parses, never a pickle.  A signed pickle, and every
+    body that is not exactly {"addresses": {INTERFACE: [[IPv4, PORT], ...]}}, gets 400 (signed)
+    and registers nothing; the server then serves the job as before.  (Horovod 0.28.1 and the
+    signing patch alone unpickled it: the marker appeared.)"""
+    server, port, key, driver = elastic_server
     marker = tmp_path / "ran"
-    forged = forged_body(marker)
-    request(port, "PUT", put, forged, sign(key, "PUT", put, forged))  # the handler then fails
-    assert marker.exists(), "positive control: a signed body is unpickled by the elastic handler"
+    put = "/worker_addresses/localhost:0"
+    bodies = {"a signed pickle": forged_body(marker), **NOT_WORKER_ADDRESSES}
+    for what, body in bodies.items():
+        headers = sign(key, "PUT", put, body)
+        status, answer, _ = request(port, "PUT", put, body, headers)
+        assert status == 400, what
+        expected = hmac.new(key, b"horovod-response\n" + headers["Horovod-Signature"].encode() + b"\n400\n",
+                            hashlib.sha256).hexdigest()
+        assert answer.get("Horovod-Signature") == expected, what
+    assert not marker.exists(), "a signed body was unpickled by the elastic handler"
+    assert driver.registered == []
+    for path in ["/worker_addresses/localhost", "/worker_addresses/localhost:zero"]:  # not HOST:SLOT
+        body = json.dumps({"addresses": {"lo": [["127.0.0.1", 1234]]}}).encode()
+        assert request(port, "PUT", path, body, sign(key, "PUT", path, body))[0] == 400, path
+    assert driver.registered == []
+    body = json.dumps({"addresses": {"lo": [["127.0.0.1", 1234]], "eth0": [["10.0.0.5", 1234]]}}).encode()
+    assert request(port, "PUT", put, body, sign(key, "PUT", put, body))[0] == 200
+    assert [r[:3] for r in driver.registered] == [
+        ("localhost", 0, {"lo": [("127.0.0.1", 1234)], "eth0": [("10.0.0.5", 1234)]})]
+
+
+def service_exchange(address: tuple, key: bytes, body: bytes) -> bytes | None:
+    """One message to a Horovod BasicService (HMAC-SHA256 of the body under ``key``, its length,
+    the body) and the body of its answer; None when it closes without one."""
+    with socket.create_connection(address, timeout=20) as conn:
+        conn.sendall(hmac.new(key, body, hashlib.sha256).digest() + struct.pack("i", len(body)) + body)
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+    if len(data) < 36:
+        return None
+    digest, (length,), answer = data[:32], struct.unpack("i", data[32:36]), data[36:]
+    assert len(answer) == length
+    assert hmac.compare_digest(digest, hmac.new(key, answer, hashlib.sha256).digest())
+    return answer
+
+
+def test_horovodruns_services_exchange_json_and_refuse_a_signed_pickle(tmp_path):
+    """horovodrun's other channels: the elastic workers' notification service (the driver tells
+    each worker that hosts changed) and the interface probe's driver service.  They check an HMAC
+    of the (derived) job key; 0.28.1 then unpickled the message.  Now requests and answers are
+    JSON of the service's message classes: a ping is answered in JSON, a notification reaches the
+    worker's listener with its values, and a correctly signed pickle is refused, never run."""
+    from horovod.runner.common.util import secret
+    from horovod.runner.driver.driver_service import HorovodRunDriverClient, HorovodRunDriverService
+    from horovod.runner.elastic.worker import (
+        HostUpdateResult,
+        WorkerNotificationClient,
+        WorkerNotificationManager,
+        WorkerNotificationService,
+    )
+
+    class Listener:
+        def __init__(self):
+            self.heard = []
+
+        def on_hosts_updated(self, timestamp, update_res):
+            self.heard.append((timestamp, update_res))
+
+    marker = tmp_path / "ran"
+    forged = pickle.dumps(RunsCommand(f"touch {marker}"))
+    key = secret.worker_notification_key(secret.make_secret_key(), "localhost:0")
+    manager, listener = WorkerNotificationManager(), Listener()
+    manager.register_listener(listener)
+    worker = WorkerNotificationService(key, "lo", manager)
+    driver = HorovodRunDriverService(1, key, {"lo"})
+    try:
+        WorkerNotificationClient(worker.addresses(), key, verbose=0).notify_hosts_updated(
+            1700000000, HostUpdateResult.added | HostUpdateResult.removed)
+        assert listener.heard == [(1700000000, HostUpdateResult.mixed)]
+        client = HorovodRunDriverClient(driver.addresses(), key, verbose=0)
+        client.register_task(0, {"lo": [("127.0.0.1", 4321)]}, "host-hash")
+        assert client.all_task_addresses(0) == {"lo": [("127.0.0.1", 4321)]}
+        assert driver.task_host_hash_indices() == {"host-hash": [0]}
+
+        ping = json.dumps({"message": "PingRequest", "fields": {}}).encode()
+        for service in (worker, driver):
+            address = service.addresses()["lo"][0]
+            answer = json.loads(service_exchange(address, key, ping))
+            assert answer["message"] == "PingResponse" and answer["fields"]["source_address"] == "127.0.0.1"
+            assert service_exchange(address, key, forged) is None
+            # a message of another service, or JSON that is no message, is refused alike
+            other = json.dumps({"message": "RunCommandRequest",
+                                "fields": {"command": f"touch {marker}", "env": {"dict": []}}}).encode()
+            assert service_exchange(address, key, other) is None
+        assert not marker.exists(), "a signed pickle was unpickled by a service"
+        assert listener.heard == [(1700000000, HostUpdateResult.mixed)]
+    finally:
+        worker.shutdown()
+        driver.shutdown()
 
 
 def test_kv_store_and_its_python_clients(tmp_path, monkeypatch):
@@ -347,7 +470,8 @@ def test_elastic_job_refuses_forged_requests_and_finishes(tmp_path):
     """End to end, Horovod 0.28.1's hole: a running elastic job of the trainer on loopback (rank 0
     held at its first commit), another process finds the rendezvous port in a worker's environment
     and sends a forged PUT /worker_addresses/<host>:<slot> whose body would run a command, and a
-    forged GET.  Both get 403, nothing runs, the server listens on loopback only, the key is on no
+    forged GET.  Both get 403; the same PUT signed with the job's key (read from the worker's
+    environment) gets 400; nothing runs, the server listens on loopback only, the key is on no
     command line, and the job finishes normally with both ranks identical.  (On the unpatched
     build the PUT is unpickled: the marker appears and the server answers no 403.)"""
     marker = tmp_path / "ran"
@@ -365,7 +489,12 @@ def test_elastic_job_refuses_forged_requests_and_finishes(tmp_path):
         get = request(port, "GET", "/rank_and_size/localhost:0", host=addr)
         bad_key = request(port, "PUT", "/worker_addresses/localhost:0", body,
                           sign(os.urandom(32), "PUT", "/worker_addresses/localhost:0", body), host=addr)
-        assert (put[0], get[0], bad_key[0]) == (403, 403, 403), f"marker exists: {marker.exists()}"
+        # and with the job's key (a process that read a worker's environment): refused unread
+        job_key = bytes.fromhex(env[KEY_VAR])
+        signed = request(port, "PUT", "/worker_addresses/localhost:0", body,
+                         sign(job_key, "PUT", "/worker_addresses/localhost:0", body), host=addr)
+        assert (put[0], get[0], bad_key[0], signed[0]) == (403, 403, 403, 400), \
+            f"marker exists: {marker.exists()}"
 
         listening = {c.laddr.ip for c in psutil.net_connections("tcp")
                      if c.status == psutil.CONN_LISTEN and c.laddr.port == port}

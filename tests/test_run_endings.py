@@ -220,7 +220,7 @@ def test_sigterm_during_a_save_lets_it_finish(tmp_path):
             time.sleep(1.0)  # the signal is pending, its thread waits for the save
             files.atomic_write_bytes({str(target)!r}, b"x" * 5_000_000)
 
-        checkpoint.save_if_due(argparse.Namespace(checkpoint_dir={str(tmp_path)!r}), 0, 1, save)
+        checkpoint.save_if_due(argparse.Namespace(checkpoint_dir={str(tmp_path)!r}), True, 1, save)
         time.sleep(10)
         print("still running")
     """)

@@ -127,7 +127,8 @@ def test_command_line_checks_import_no_framework():
 
 
 TRAINERS = ("torch_models/run.py", "torch_models/train.py", "torch_models/elastic.py",
-            "tf_models/run.py", "tf_models/train.py", "tf_models/elastic.py")
+            "tf_models/run.py", "tf_models/train.py", "tf_models/elastic.py",
+            "torch_models/pipeline.py", "tf_models/pipeline.py")
 
 
 def horovod_names(tree: ast.Module) -> set[str]:
@@ -201,7 +202,8 @@ def test_the_mark_check_sees_an_unmarked_call():
     assert [marked(code.splitlines(), line) for line, _ in calls] == [True, False]
 
 
-@pytest.mark.parametrize("run_file", ["torch_models/run.py", "tf_models/run.py"])
+@pytest.mark.parametrize("run_file", ["torch_models/run.py", "tf_models/run.py",
+                                      "torch_models/pipeline.py", "tf_models/pipeline.py"])
 def test_the_horovod_steps_are_marked_within_one_screen(run_file):
     """Horovod's recipe, as its own examples show it: initialise, pin, scale the LR, wrap the
     optimizer, broadcast, together in the run object; the shard is the shared loops'."""

@@ -30,22 +30,24 @@ def rng_variables(net: keras.Model) -> list:
 
 
 def save(path_dir: str, epoch: int, net: keras.Model, optimizer, identity: RunIdentity,
-         args: argparse.Namespace) -> None:
+         args: argparse.Namespace, stage: dict | None = None) -> None:
     """One ``.npz``: ``model_NNNN`` (weights in model order), ``optimizer_NNNN`` (iteration
     counter, momentum slots), ``rng_NNNN`` (rank 0's dropout seed state) and ``meta``, the JSON
     of :func:`ringtrain.output.checkpoint.metadata` plus ``weight_keys``, the names of the weight
-    arrays in model order (what tools that compare checkpoints across frameworks read)."""
+    arrays in model order (what tools that compare checkpoints across frameworks read).
+    A pipeline stage's file (``stage``: its metadata record) holds that stage's model."""
     arrays = {}
     for prefix, variables in (("model", net.weights), ("optimizer", optimizer.variables),
                               ("rng", rng_variables(net))):
         for i, var in enumerate(variables):
             arrays[f"{prefix}_{i:04d}"] = np.asarray(var.numpy())
-    meta = checkpoint.metadata(identity, epoch, checkpoint.config_of(args))
+    meta = checkpoint.metadata(identity, epoch, checkpoint.config_of(args), stage)
     meta["weight_keys"] = [f"model_{i:04d}" for i in range(len(net.weights))]
     arrays["meta"] = np.array(json.dumps(meta))
     buf = io.BytesIO()
     np.savez(buf, **arrays)
-    checkpoint.save(path_dir, epoch, EXT, buf.getvalue())
+    checkpoint.save(path_dir, epoch, EXT, buf.getvalue(),
+                    (stage["stage"], stage["stages"]) if stage else None)
 
 
 def _restore(variables: list, arrays: dict, prefix: str, path) -> None:
@@ -132,6 +134,21 @@ def restore(path_dir: str, net: keras.Model, optimizer, identity: RunIdentity) -
     if found is None:
         return 0
     epoch, arrays, path = found
+    load(arrays, path, net, optimizer)
+    return epoch
+
+
+def find(path_dir: str, identity: RunIdentity, stage: tuple[int, int],
+         at_most: int | None = None) -> tuple[int, tuple] | None:
+    """A pipeline stage's newest intact checkpoint (of epoch ``at_most`` or before): ``(epoch,
+    (arrays, path))``, or None."""
+    found = checkpoint.restore_newest(path_dir, EXT, read, identity, expected=expected_member,
+                                      stage=stage, at_most=at_most)
+    return None if found is None else (found[0], (found[1], found[2]))
+
+
+def load(arrays: dict, path, net: keras.Model, optimizer) -> None:
+    """A checkpoint's arrays into the model, its optimizer and its dropout seed state."""
     _check_finite(arrays, path)
     _restore(net.weights, arrays, "model", path)
     opt_vars = optimizer.variables
@@ -143,4 +160,3 @@ def restore(path_dir: str, net: keras.Model, optimizer, identity: RunIdentity) -
     rng = rng_variables(net)
     if len([k for k in arrays if k.startswith("rng_")]) == len(rng):
         _restore(rng, arrays, "rng", path)
-    return epoch

@@ -23,12 +23,14 @@ COLLECTIVES = Collectives(
     allgather=lambda array, name: hvd.allgather(tf.constant(array), name=name).numpy())
 
 
-def average_statistics(net: keras.Model) -> None:
+def average_statistics(net: keras.Model, process_set=hvd.global_process_set) -> None:
     """Average the model's non-trainable float weights (BatchNorm's moving mean and variance)
     over the ranks, in place: Horovod never syncs them, and each rank's follow its own shard.
-    Called at every epoch's end on every rank; a model without them issues nothing."""
+    Called at every epoch's end on every rank; a model without them issues nothing.  A pipeline
+    stage averages its own over its replicas (``process_set``: the stage's)."""
     stats = [w for w in net.non_trainable_weights if w.dtype in ("float16", "float32", "float64")]
     if stats:
-        averaged = hvd.grouped_allreduce([w.value for w in stats], op=hvd.Average, name="statistics")
+        averaged = hvd.grouped_allreduce([w.value for w in stats], op=hvd.Average, name="statistics",
+                                         process_set=process_set)
         for w, avg in zip(stats, averaged, strict=True):
             w.assign(avg)

@@ -125,7 +125,8 @@ class ElasticKerasState(ObjectState):
 
 def allreduce_gradients(grads: Sequence[tf.Tensor], *, op=None, fp16: bool = False,
                         gradient_predivide_factor: float = 1.0,
-                        name: str = "DistributedGradients") -> list[tf.Tensor]:
+                        name: str = "DistributedGradients",
+                        process_set=hvd.global_process_set) -> list[tf.Tensor]:
     """Combine this rank's gradients with everyone else's: one grouped allreduce.
 
     ``op`` is ``hvd.Average`` (default) or ``hvd.Adasum`` (power-of-two world sizes only).
@@ -133,11 +134,12 @@ def allreduce_gradients(grads: Sequence[tf.Tensor], *, op=None, fp16: bool = Fal
     after.  With averaging, ``gradient_predivide_factor`` f splits the division the way
     ``hvd.DistributedOptimizer`` does: a sum of gradients pre-scaled by 1/f, post-scaled by
     f/size (keeps fp16 sums in range).  With one process this is the identity and issues no
-    collective.
+    collective.  ``process_set`` limits it to a set of ranks (a pipeline stage's replicas).
     """
     op = hvd.Average if op is None else op
     grads = list(grads)
-    if hvd.size() == 1 or not grads:
+    size = hvd.size() if process_set is hvd.global_process_set else process_set.size()
+    if size == 1 or not grads:
         return grads
     compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
     prescale = postscale = 1.0
@@ -146,7 +148,7 @@ def allreduce_gradients(grads: Sequence[tf.Tensor], *, op=None, fp16: bool = Fal
             raise ValueError("gradient_predivide_factor works only with averaging, not Adasum")
         op = hvd.Sum
         prescale = 1.0 / gradient_predivide_factor
-        postscale = gradient_predivide_factor / hvd.size()
+        postscale = gradient_predivide_factor / size
     if op == hvd.Adasum:
         # Horovod 0.28.1's grouped_allreduce crashes on its Adasum branch (it reads an unbound
         # local, ``tensor``); per-tensor allreduces are fused by Horovod all the same, and Adasum
@@ -154,7 +156,7 @@ def allreduce_gradients(grads: Sequence[tf.Tensor], *, op=None, fp16: bool = Fal
         return [hvd.allreduce(g, op=op, compression=compression, name=f"{name}.{i}")
                 for i, g in enumerate(grads)]
     return hvd.grouped_allreduce(grads, op=op, compression=compression, prescale_factor=prescale,
-                                 postscale_factor=postscale, name=name)
+                                 postscale_factor=postscale, name=name, process_set=process_set)
 
 
 def sparse_logits_loss(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:

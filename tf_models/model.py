@@ -82,20 +82,27 @@ def build_mlp(dropout: float = 0.5, dtype_policy: str | None = None,
     return keras.Model(inputs, logits, name="mlp")
 
 
-def build(spec: str, dataset, dropout: float, dtype_policy: str | None = None) -> keras.Model:
-    """The ``--model spec`` for ``dataset`` (its :class:`ringtrain.data.dataset.DataInfo`), checked: a bad
-    spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
+def instantiate(spec: str, dataset, dropout: float, dtype_policy: str | None = None,
+                allowed: tuple[type, ...] = (keras.Model,), wanted: str = "keras.Model"):
+    """A built-in model, or what the user's builder returns if it is one of ``allowed`` (a
+    pipeline also takes a list of stages); anything else is one :class:`UserError` line."""
     model_spec.check_builtin_input(spec, dataset)
     shape, classes = tuple(dataset.input_shape), dataset.num_classes
     if spec == "cnn":
-        model = build_cnn(dropout, dtype_policy, shape, classes)
-    elif spec == "mlp":
-        model = build_mlp(dropout, dtype_policy, shape, classes)
-    else:
-        model = model_spec.call_builder(spec, shape, classes)
-        if not isinstance(model, keras.Model):
-            raise model_spec.wrong_type(spec, model, "tf", "keras.Model")
-    check(spec, model, shape, classes, dataset.input_dtype)
+        return build_cnn(dropout, dtype_policy, shape, classes)
+    if spec == "mlp":
+        return build_mlp(dropout, dtype_policy, shape, classes)
+    model = model_spec.call_builder(spec, shape, classes)
+    if not isinstance(model, allowed):
+        raise model_spec.wrong_type(spec, model, "tf", wanted)
+    return model
+
+
+def build(spec: str, dataset, dropout: float, dtype_policy: str | None = None) -> keras.Model:
+    """The ``--model spec`` for ``dataset`` (its :class:`ringtrain.data.dataset.DataInfo`), checked: a bad
+    spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
+    model = instantiate(spec, dataset, dropout, dtype_policy)
+    check(spec, model, tuple(dataset.input_shape), dataset.num_classes, dataset.input_dtype)
     return model
 
 

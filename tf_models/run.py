@@ -53,7 +53,7 @@ class KerasRun(FrameworkRun):
     through :class:`DistributedModel` and gets rank 0's state from Horovod's elastic state."""
 
     def __init__(self, args: argparse.Namespace, *, elastic: bool = False) -> None:
-        self.args, self.elastic, k = args, elastic, args.backward_passes_per_step
+        self.args, self.elastic = args, elastic
         before_init(args.stall_timeout)
         self.tools = HorovodTools.before_init(args)  # --timeline-out, --autotune: the environment
         # Horovod: initialise; from here on every rank knows its rank and the world size.
@@ -76,6 +76,15 @@ class KerasRun(FrameworkRun):
         # Horovod: its timeline (--timeline-out) records from here on, written by rank 0.
         self.tools.start(self.world.rank, hvd)
 
+        self.open_optimizer(elastic)
+        self.batch_sums = make_batch_sums(self.net, self.data.info)
+        self.weights_finite = make_weights_finite(self.net)
+        self.loss_sum = 0.0
+
+    def open_optimizer(self, elastic: bool) -> None:
+        """The optimizer, the resume and the model's compilation: the ring's Horovod recipe (a
+        strategy that exchanges no gradients through Horovod replaces it)."""
+        args, k = self.args, self.args.backward_passes_per_step
         # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
         lr = self.target_lr if not elastic else args.base_lr  # elastic: set per step, per world
         optimizer = keras.optimizers.SGD(learning_rate=lr, momentum=args.momentum)
@@ -109,9 +118,6 @@ class KerasRun(FrameworkRun):
             self.net.compile(optimizer=optimizer,
                              loss=SparseLogitsLoss(),
                              loss_weights=1.0 / k, metrics=[self.sums], jit_compile=False)
-        self.batch_sums = make_batch_sums(self.net, self.data.info)
-        self.weights_finite = make_weights_finite(self.net)
-        self.loss_sum = 0.0
 
     def new_world(self) -> World:
         """After an elastic re-form: this rank's new :class:`World`, and the train step traced

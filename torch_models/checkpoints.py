@@ -21,15 +21,18 @@ EXT = "pt"
 
 
 def save(path_dir: str, epoch: int, model, optimizer, identity: RunIdentity,
-         args: argparse.Namespace) -> None:
+         args: argparse.Namespace, stage: dict | None = None) -> None:
+    """The checkpoint of ``epoch``: the whole model's, or a pipeline stage's (``stage``: its
+    :func:`ringtrain.output.checkpoint.metadata` record, ``stage`` and ``stages`` in it)."""
     buf = io.BytesIO()
     torch.save({
-        "meta": checkpoint.metadata(identity, epoch, checkpoint.config_of(args)),
+        "meta": checkpoint.metadata(identity, epoch, checkpoint.config_of(args), stage),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "torch_rng": torch.get_rng_state(),
     }, buf)
-    checkpoint.save(path_dir, epoch, EXT, buf.getvalue())
+    checkpoint.save(path_dir, epoch, EXT, buf.getvalue(),
+                    (stage["stage"], stage["stages"]) if stage else None)
 
 
 # What torch.save writes into its archive, under one folder named after the file (or "archive"
@@ -84,6 +87,21 @@ def restore(path_dir: str, model, optimizer, identity: RunIdentity) -> int:
     if found is None:
         return 0
     epoch, state, path = found
+    load(state, path, model, optimizer)
+    return epoch
+
+
+def find(path_dir: str, identity: RunIdentity, stage: tuple[int, int],
+         at_most: int | None = None) -> tuple[int, tuple[dict, Path]] | None:
+    """A pipeline stage's newest intact checkpoint (of epoch ``at_most`` or before): ``(epoch,
+    (state, path))``, or None."""
+    found = checkpoint.restore_newest(path_dir, EXT, read, identity, expected=expected_member,
+                                      stage=stage, at_most=at_most)
+    return None if found is None else (found[0], (found[1], found[2]))
+
+
+def load(state: dict, path: Path, model, optimizer) -> None:
+    """A checkpoint's state (from ``path``) into the model, its optimizer and the RNG."""
     _check_state(state, path)
     try:
         model.load_state_dict(state["model"])
@@ -92,4 +110,3 @@ def restore(path_dir: str, model, optimizer, identity: RunIdentity) -> int:
     except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as err:
         raise checkpoint.not_ours(path, f"does not fit this model and optimizer "
                                         f"({printable(str(err), 120)})") from None
-    return epoch

@@ -29,15 +29,17 @@ def _allgather(array: np.ndarray, name: str) -> np.ndarray:
 COLLECTIVES = Collectives(sum=_sum, broadcast=_broadcast, allgather=_allgather)
 
 
-def average_buffers(model) -> None:
+def average_buffers(model, process_set=hvd.global_process_set) -> None:
     """Average the model's floating-point buffers (BatchNorm's running mean and variance) over the
     ranks, in place.  Horovod, unlike DDP, never syncs buffers: each rank's running statistics
     follow its own shard, so evaluation and checkpoints would differ by rank.  Called at every
     epoch's end, on every rank (the model, so the decision, is the same everywhere); a model
-    without such buffers issues nothing."""
+    without such buffers issues nothing.  A pipeline stage averages its own over its replicas
+    (``process_set``: the stage's)."""
     buffers = [b for b in model.buffers() if b.is_floating_point()]
     if buffers:
-        averaged = hvd.grouped_allreduce(buffers, op=hvd.Average, name="buffers")
+        averaged = hvd.grouped_allreduce(buffers, op=hvd.Average, name="buffers",
+                                         process_set=process_set)
         with torch.no_grad():
             for b, avg in zip(buffers, averaged, strict=True):
                 b.copy_(avg)

@@ -16,6 +16,7 @@ own shape (a signal's ``(40,)``, a token sequence's ``(32,)`` of int64 ids).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,15 @@ class MnistCNN(nn.Module):
         x = self.dropout(F.relu(self.fc1(torch.flatten(x, 1))))
         return self.fc2(x)
 
+    def layers(self) -> nn.Sequential:
+        """The same modules (the same parameters) as a chain, what a pipeline splits: the same
+        maths as :meth:`forward`, op for op."""
+        return nn.Sequential(OrderedDict([
+            ("conv1", self.conv1), ("relu1", nn.ReLU()), ("pool1", nn.MaxPool2d(2)),
+            ("conv2", self.conv2), ("relu2", nn.ReLU()), ("pool2", nn.MaxPool2d(2)),
+            ("flatten", nn.Flatten()), ("fc1", self.fc1), ("relu3", nn.ReLU()),
+            ("dropout", self.dropout), ("fc2", self.fc2)]))
+
 
 class MLP(nn.Module):
     def __init__(self, dropout: float = 0.5, input_shape: tuple[int, ...] = MNIST_SHAPE,
@@ -68,22 +78,35 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.dropout(F.relu(self.fc1(torch.flatten(x, 1)))))
 
+    def layers(self) -> nn.Sequential:
+        """The same modules as a chain (see :meth:`MnistCNN.layers`)."""
+        return nn.Sequential(OrderedDict([
+            ("flatten", nn.Flatten()), ("fc1", self.fc1), ("relu", nn.ReLU()),
+            ("dropout", self.dropout), ("fc2", self.fc2)]))
+
 
 BUILTIN = {"cnn": MnistCNN, "mlp": MLP}
+
+
+def instantiate(spec: str, dataset, dropout: float, allowed: tuple[type, ...] = (nn.Module,),
+                wanted: str = "torch.nn.Module"):
+    """A built-in model, or what the user's builder returns if it is one of ``allowed`` (a
+    pipeline also takes a list of stages); anything else is one :class:`UserError` line."""
+    model_spec.check_builtin_input(spec, dataset)
+    shape = model_shape(dataset)
+    if spec in BUILTIN:
+        return BUILTIN[spec](dropout, shape, dataset.num_classes)
+    model = model_spec.call_builder(spec, shape, dataset.num_classes)
+    if not isinstance(model, allowed):
+        raise model_spec.wrong_type(spec, model, "torch", wanted)
+    return model
 
 
 def build(spec: str, dataset, dropout: float) -> nn.Module:
     """The ``--model spec`` for ``dataset`` (its :class:`ringtrain.data.dataset.DataInfo`), checked: a bad
     spec, a builder that fails or returns the wrong thing is one :class:`UserError` line."""
-    model_spec.check_builtin_input(spec, dataset)
-    shape = model_shape(dataset)
-    if spec in BUILTIN:
-        model = BUILTIN[spec](dropout, shape, dataset.num_classes)
-    else:
-        model = model_spec.call_builder(spec, shape, dataset.num_classes)
-        if not isinstance(model, nn.Module):
-            raise model_spec.wrong_type(spec, model, "torch", "torch.nn.Module")
-    check(spec, model, shape, dataset.num_classes, getattr(torch, dataset.input_dtype))
+    model = instantiate(spec, dataset, dropout)
+    check(spec, model, model_shape(dataset), dataset.num_classes, getattr(torch, dataset.input_dtype))
     return model
 
 

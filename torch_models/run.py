@@ -62,7 +62,18 @@ class TorchRun(FrameworkRun):
             startup.check_output_folders(together, args, self.identity.param_count)
         # Horovod: its timeline (--timeline-out) records from here on, written by rank 0.
         self.tools.start(self.world.rank, hvd)
+        self.open_optimizer(elastic)
+        self.scaler = torch.amp.GradScaler("cuda") if args.amp else None
+        # On a GPU, reading the weights' finiteness at once each step would stall the GPU's queue
+        # (an elastic job reads it at once: a commit between two steps must hold finite weights).
+        self.finite = FiniteWatch(self.model, lag=self.device.type == "cuda" and not elastic)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.micro = args.batch_size if k > 1 else None
 
+    def open_optimizer(self, elastic: bool) -> None:
+        """The optimizer, the resume and the broadcast: the ring's Horovod recipe (a strategy
+        that exchanges no gradients through Horovod replaces it)."""
+        args = self.args
         # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
         lr = self.target_lr if not elastic else args.base_lr  # elastic: set per step, per world
         optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=args.momentum)
@@ -79,12 +90,6 @@ class TorchRun(FrameworkRun):
             # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) to every rank.
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
             hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
-        self.scaler = torch.amp.GradScaler("cuda") if args.amp else None
-        # On a GPU, reading the weights' finiteness at once each step would stall the GPU's queue
-        # (an elastic job reads it at once: a commit between two steps must hold finite weights).
-        self.finite = FiniteWatch(self.model, lag=self.device.type == "cuda" and not elastic)
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.micro = args.batch_size if k > 1 else None
 
     def new_world(self) -> World:
         """After an elastic re-form: this rank's new :class:`World`."""

@@ -158,10 +158,14 @@ class Watchdog:
         #                                            Horovod or the framework (None: it is)
         self.channel: dict | None = None        # rank 0's record: its key, port and address
         self.key = b""
+        self.waiting: str | None = None         # what the main thread waits for from a peer,
+        #                                         outside Horovod (a pipeline's message)
         self.sock: socket.socket | None = None
         self.sent = 0                           # heartbeats this rank signed (their counter)
         self.counters: dict[int, int] = {}      # rank -> the counter of its last heartbeat
         self.dropped = 0                        # datagrams refused by accept()
+        self.sources: dict[int, tuple] = {}     # rank 0: the address each rank's beats come from
+        self.ended = False                      # rank 0 said the job ends (end_job)
         self.guard: subprocess.Popen | None = None
         self.lock = threading.Lock()
 
@@ -251,7 +255,9 @@ class Watchdog:
         if self.sock is None or self.channel is None:
             time.sleep(self.tick)
             return
-        where = main_thread_outside_frameworks()
+        # A wait for a peer's message (a pipeline's activations) is a wait for peers, as a
+        # collective is, not a rank stuck in its own code.
+        where = None if self.waiting else main_thread_outside_frameworks()
         self.outside[self.rank] = None if where is None else printable(where, 60)  # one datagram
         if self.rank != 0:
             self._send()
@@ -264,13 +270,23 @@ class Watchdog:
                 break
             except OSError:
                 continue
-            if self.accept(data) is not None and self.rank == 0:
+            rank = self.accept(data)
+            if rank is not None and self.rank == 0:
+                self.sources[rank] = source
                 self._send(source)  # the answer that tells the rank rank 0 is alive
+            if self.ended:
+                # Rank 0 ends the job and has said why (end_job): leave without a second line,
+                # also where its MPI_Abort reaches no one else (mpirun --enable-recovery).
+                with self.lock:
+                    self.armed = False
+                os._exit(STALL_EXIT_CODE)
 
-    def _send(self, to=None) -> None:
+    def _send(self, to=None, end: bool = False) -> None:
         self.sent += 1
-        body = json.dumps({"r": self.rank, "n": self.sent, "s": self.steps,
-                           "o": self.outside.get(self.rank)}).encode()
+        beat = {"r": self.rank, "n": self.sent, "s": self.steps, "o": self.outside.get(self.rank)}
+        if end:
+            beat["e"] = 1
+        body = json.dumps(beat).encode()
         try:
             if to is None:
                 self.sock.send(self._mac(body) + body)
@@ -286,7 +302,8 @@ class Watchdog:
         """The rank whose heartbeat ``data`` is, recorded; or None, and the datagram counted in
         :attr:`dropped`: too long, not signed with the job's key, a replay (its counter does not
         grow), or not ``{"r": rank, "n": counter, "s": steps, "o": where or null}`` of the right
-        types from a rank that may send to this one (rank 0 hears the others, they hear it)."""
+        types from a rank that may send to this one (rank 0 hears the others, they hear it).
+        Rank 0's may add ``"e": 1``: it ends the job (:func:`end_job`), and this rank leaves."""
         beat = None
         if MAC_BYTES < len(data) <= MAX_DATAGRAM and hmac.compare_digest(
                 data[:MAC_BYTES], self._mac(data[MAC_BYTES:])):
@@ -295,6 +312,9 @@ class Watchdog:
             except (ValueError, RecursionError):
                 beat = None
         rank = beat.get("r") if isinstance(beat, dict) else None
+        end = isinstance(beat, dict) and beat.get("e") == 1 and rank == 0  # rank 0: the job ends
+        if isinstance(beat, dict) and end:
+            beat = {k: v for k, v in beat.items() if k != "e"}
         if not (isinstance(beat, dict) and set(beat) == {"r", "n", "s", "o"}
                 and _whole(rank) and rank in self.peers and (rank == 0) != (self.rank == 0)
                 and _whole(beat["n"]) and beat["n"] > self.counters.get(rank, 0)
@@ -302,10 +322,20 @@ class Watchdog:
             self.dropped += 1
             return None
         self.counters[rank] = beat["n"]
+        self.ended = self.ended or end
         self.seen[rank] = _now()
         self.peer_steps[rank] = beat["s"]
         self.outside[rank] = None if beat["o"] is None else printable(beat["o"], 200)
         return rank
+
+    def tell_the_end(self) -> None:
+        """Rank 0: every rank whose heartbeats it has heard leaves at once, without a line of its
+        own (three signed datagrams each: a lost one costs only the line it would have saved)."""
+        if self.rank != 0 or self.sock is None or self.channel is None:
+            return
+        for _ in range(3):
+            for source in list(self.sources.values()):
+                self._send(source, end=True)
 
     def feed_guardian(self, what: str | None = None) -> None:
         guard = self.guard  # the watchdog thread and the rank's exit path both feed it
@@ -331,6 +361,8 @@ class Watchdog:
             return None
         what = (f"no training step or collective completed on rank {self.rank} for "
                 f"{stalled:.0f} s (--stall-timeout {self.timeout:g})")
+        if self.waiting:
+            what += f"; it waits for {self.waiting}"
         if self.elastic:
             if stalled <= max(self.timeout, gloo_timeout()) + ELASTIC_GRACE:
                 # A frozen peer's guardian acts first, then the job re-forms.  A peer cut off by a
@@ -417,6 +449,24 @@ def progress(step: bool = False) -> None:
         dog.last = _now()
 
 
+def silent_ranks() -> dict[int, float]:
+    """Rank 0, which hears every rank's heartbeat: the ranks silent for longer than half the stall
+    timeout (dead, frozen or cut off), with the seconds since their last heartbeat.  Empty on
+    other ranks and without a watchdog.  (The parameter servers judge their workers by this.)"""
+    dog = _dog
+    if dog is None or dog.rank != 0 or not dog.peers:
+        return {}
+    now = _now()
+    return {r: quiet for r in dog.peers if r != dog.rank and (quiet := dog.silent(r, now))}
+
+
+def describe_rank(rank: int) -> str:
+    """``rank 3 (host, 10.0.0.3, pid 4242)`` from the start-up records, or ``rank 3``."""
+    dog = _dog
+    info = dog.peers.get(rank) if dog is not None else None
+    return describe(info) if info else f"rank {rank}"
+
+
 def gloo_timeout() -> float:
     """Horovod's Gloo timeout in this worker (horovodrun's --gloo-timeout-seconds; 30 s default)."""
     try:
@@ -447,6 +497,46 @@ def start(stall_timeout: float, hvd, gather, elastic: bool = False) -> Watchdog 
     atexit.register(disarm)
     _install_excepthook()
     return dog
+
+
+@contextlib.contextmanager
+def waiting(what: str):
+    """The main thread waits for a peer's message outside Horovod (``what``, e.g. "stage 0's
+    activations of micro-batch 3 from rank 0"): heartbeats then report the rank as waiting for
+    its peers, not stuck in its own code, and the stall line names what it waited for."""
+    dog = _dog
+    if dog is None:
+        yield
+        return
+    dog.waiting = what
+    try:
+        yield
+    finally:
+        dog.waiting = None
+
+
+def end_job(line: str) -> None:
+    """End every rank now with one line (this rank's), for a verdict reached outside the
+    watchdog (a parameter server's worker that went silent, a pipeline peer that outlived its
+    own deadline): rank 0 tells the ranks it hears from to leave quietly, and the watchdog's
+    abort ends the job through the launcher, unless it has fired already (its own abort is then
+    under way).  Without a watchdog: MPI's abort, else this process alone."""
+    dog = _dog
+    if dog is not None:
+        with dog.lock:
+            fired, dog.fired = dog.fired, True  # its own verdict would be a second line
+        if not fired:
+            dog.tell_the_end()
+            dog.abort(line)  # does not return
+        time.sleep(2 * GRACE)
+    _say(line)
+    try:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(STALL_EXIT_CODE)
+    except Exception:
+        pass
+    os._exit(STALL_EXIT_CODE)
 
 
 def new_world(rank: int, size: int) -> None:

@@ -43,6 +43,10 @@ class Identity(Protocol):
     param_count: int
     data: Any  # a DataInfo
 _NAME = re.compile(r"^ckpt-epoch(\d{4,})\.(\w+)$")
+# A pipeline's checkpoint is one file per stage: ckpt-epoch0003-stage1of2.pt, which _NAME does not
+# match (a data-parallel run never mistakes one stage for the whole model).
+_STAGE_NAME = re.compile(r"^ckpt-epoch(\d{4,})-stage(\d+)of(\d+)\.(\w+)$")
+Stage = tuple[int, int]  # (stage, stages) of a pipeline's checkpoint file; None: the whole model
 
 
 def estimated_bytes(param_count: int, momentum: float) -> int:
@@ -57,19 +61,48 @@ def check_resume_folder(directory: str | os.PathLike) -> None:
                         f"--checkpoint-dir, or drop --resume to start a new run there")
 
 
-def path_for(directory: str | os.PathLike, epoch: int, ext: str) -> Path:
-    return Path(directory) / f"ckpt-epoch{epoch:04d}.{ext}"
+def path_for(directory: str | os.PathLike, epoch: int, ext: str, stage: Stage | None = None) -> Path:
+    part = f"-stage{stage[0]}of{stage[1]}" if stage else ""
+    return Path(directory) / f"ckpt-epoch{epoch:04d}{part}.{ext}"
 
 
-def newest_first(directory: str | os.PathLike, ext: str) -> list[Path]:
-    """The folder's checkpoints, newest epoch first (temporary files from interrupted saves never
-    match)."""
+def newest_first(directory: str | os.PathLike, ext: str, stage: Stage | None = None) -> list[Path]:
+    """The folder's checkpoints (of one pipeline stage), newest epoch first (temporary files from
+    interrupted saves never match)."""
     found = []
     for entry in Path(directory).glob(f"ckpt-epoch*.{ext}"):
         m = _NAME.match(entry.name)
-        if m:
-            found.append((int(m.group(1)), entry))
+        s = _STAGE_NAME.match(entry.name)
+        if (m and stage is None) or (s and stage and (int(s[2]), int(s[3])) == tuple(stage)):
+            found.append((int((m or s).group(1)), entry))
     return [path for _, path in sorted(found, reverse=True)]
+
+
+def stage_counts(directory: str | os.PathLike, ext: str) -> set[int]:
+    """The numbers of pipeline stages the folder's checkpoints were written with (1: the whole
+    model in one file)."""
+    counts = set()
+    for entry in Path(directory).glob(f"ckpt-epoch*.{ext}"):
+        if _NAME.match(entry.name):
+            counts.add(1)
+        elif s := _STAGE_NAME.match(entry.name):
+            counts.add(int(s[3]))
+    return counts
+
+
+def check_stage_count(directory: str | os.PathLike, ext: str, stages: int) -> None:
+    """A run resumes checkpoints written with its own ``--pipeline-stages`` (any number of
+    replicas): a stage's file holds that stage's layers only."""
+    found = stage_counts(directory, ext)
+    if found and stages not in found:
+        theirs = max(found)
+
+        def say(n: int) -> str:
+            return f"{n} pipeline stages" if n > 1 else "the whole model in one file (no pipeline)"
+
+        raise UserError(f"--resume: {directory} holds checkpoints of {say(theirs)}, this run has "
+                        f"--pipeline-stages {stages}; resume with --pipeline-stages {theirs} (any "
+                        f"number of replicas) or use another --checkpoint-dir")
 
 
 def latest(directory: str | os.PathLike, ext: str) -> Path | None:
@@ -189,19 +222,23 @@ def load(path: Path, read: Callable[[BinaryIO, Path], tuple[Any, Any]], limit: i
 
 def restore_newest(directory: str | os.PathLike, ext: str,
                    read: Callable[[BinaryIO, Path], tuple[Any, Any]], identity: Identity, *,
-                   expected: Callable[[str], bool] = lambda name: True
+                   expected: Callable[[str], bool] = lambda name: True,
+                   stage: Stage | None = None, at_most: int | None = None
                    ) -> tuple[int, Any, Path] | None:
-    """``(epoch, payload, path)`` of the newest usable checkpoint, or None when the folder has
-    none.
+    """``(epoch, payload, path)`` of the newest usable checkpoint (of pipeline ``stage``; of epoch
+    ``at_most`` or before), or None when the folder has none.
 
     ``read(file, path)`` returns ``(metadata, payload)``; it raises :class:`Damaged` for an
     incomplete file, which is skipped with one warning line for the previous one, and
-    :class:`UserError` for one that must stop the run (unsafe, another model, a newer format).
-    ``expected`` says which archive members the framework writes.
+    :class:`UserError` for one that must stop the run (unsafe, another model, a newer format,
+    another stage count).  ``expected`` says which archive members the framework writes.
     """
+    check_stage_count(directory, ext, stage[1] if stage else 1)
     damaged: list[tuple[Path, Damaged]] = []
     limit = size_limit(identity.param_count)
-    for path in newest_first(directory, ext):
+    for path in newest_first(directory, ext, stage):
+        if at_most is not None and _epoch_of(path) > at_most:
+            continue
         try:
             meta, payload = load(path, read, limit, expected)
         except Damaged as err:
@@ -209,6 +246,8 @@ def restore_newest(directory: str | os.PathLike, ext: str,
             continue
         epoch = check_metadata(meta, path, identity.framework, identity.model_name,
                                identity.param_count, identity.data.record())
+        if stage is not None:
+            check_stage(meta, path, stage)
         if damaged:
             which = "; ".join(f"{p.name} is damaged ({err})" for p, err in damaged)
             sys.stderr.write(f"warning: checkpoint {which}; resuming from {path.name}, the newest "
@@ -237,16 +276,36 @@ def not_finite(path: Path, what: str) -> UserError:
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
-def save(directory: str | os.PathLike, epoch: int, ext: str, payload: bytes) -> Path | None:
-    """Write the epoch's checkpoint atomically.  On a full disk (or quota), print one warning
-    line naming the checkpoint that is still intact and return None: the job trains on."""
-    path = path_for(directory, epoch, ext)
+def _epoch_of(path: Path) -> int:
+    return int((_NAME.match(path.name) or _STAGE_NAME.match(path.name)).group(1))
+
+
+def check_stage(meta: dict, path: Path, stage: Stage) -> None:
+    """A stage's file holds that stage of a pipeline of that many stages, as its metadata's
+    ``pipeline`` record says (checked for shape first: the file may be anyone's)."""
+    saved = meta.get("pipeline")
+    if not (isinstance(saved, dict) and _is_int(saved.get("stage"), 0)
+            and _is_int(saved.get("stages"), 2) and _is_int(saved.get("params"), 0)
+            and _is_list(saved.get("layers"), lambda v: isinstance(v, str))):
+        raise not_ours(path, "has malformed metadata (pipeline is not a stage's record)")
+    if (saved["stage"], saved["stages"]) != tuple(stage):
+        raise UserError(f"{path} says it holds stage {saved['stage']} of {saved['stages']}, its "
+                        f"name stage {stage[0]} of {stage[1]}: renamed by hand? use another "
+                        f"--checkpoint-dir")
+
+
+def save(directory: str | os.PathLike, epoch: int, ext: str, payload: bytes,
+         stage: Stage | None = None) -> Path | None:
+    """Write the epoch's checkpoint (of pipeline ``stage``) atomically.  On a full disk (or
+    quota), print one warning line naming the checkpoint that is still intact and return None:
+    the job trains on."""
+    path = path_for(directory, epoch, ext, stage)
     try:
         atomic_write_bytes(path, payload)
     except OSError as err:
         if err.errno not in _DISK_FULL:
             raise
-        newest = latest(directory, ext)
+        newest = (newest_first(directory, ext, stage) or [None])[0]
         kept = f"{newest.name} is intact" if newest else "no earlier checkpoint exists"
         sys.stderr.write(f"warning: checkpoint {path.name} not saved: {err.strerror} in "
                          f"{directory} ({len(payload) / 1e6:.1f} MB needed); {kept}; training "
@@ -256,10 +315,11 @@ def save(directory: str | os.PathLike, epoch: int, ext: str, payload: bytes) -> 
     return path
 
 
-def save_if_due(args, rank: int, epoch: int, save: Callable[[int], None]) -> None:
-    """After an epoch, rank 0 writes its checkpoint with the framework's ``save`` (when there is a
-    ``--checkpoint-dir``); a SIGTERM that arrives meanwhile lets the save finish."""
-    if args.checkpoint_dir and rank == 0:
+def save_if_due(args, writes: bool, epoch: int, save: Callable[[int], None]) -> None:
+    """After an epoch, the rank that ``writes`` (rank 0; a pipeline stage's first replica) writes
+    its checkpoint with the framework's ``save`` (when there is a ``--checkpoint-dir``); a SIGTERM
+    that arrives meanwhile lets the save finish."""
+    if args.checkpoint_dir and writes:
         with termination.saving():
             save(epoch)
 
@@ -269,13 +329,18 @@ def config_of(args) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k not in ("resume", "no_progress")}
 
 
-def metadata(identity: Identity, epoch: int, config: dict[str, Any]) -> dict[str, Any]:
+def metadata(identity: Identity, epoch: int, config: dict[str, Any],
+             stage: dict[str, Any] | None = None) -> dict[str, Any]:
     """Plain types only (``torch.load(weights_only=True)`` reads nothing else): the run's
     identity (framework, model, size, its data's :meth:`~ringtrain.data.dataset.DataInfo.record`),
-    the epoch and the flags."""
-    return {"format_version": FORMAT_VERSION, "framework": identity.framework,
+    the epoch and the flags; a pipeline stage's file adds ``pipeline``: its stage, the stage
+    count, its layers and parameter count."""
+    meta = {"format_version": FORMAT_VERSION, "framework": identity.framework,
             "model": identity.model_name, "param_count": identity.param_count, "epoch": epoch,
             "config": config, "data": identity.data.record()}
+    if stage is not None:
+        meta["pipeline"] = stage
+    return meta
 
 
 # What checkpoints written before --data existed were trained on.

@@ -67,6 +67,15 @@ class Summary:
     dataset: str = "mnist"
     data: dict[str, Any] | None = None  # --data: spec, input shape, classes, sizes, normalisation
     autotune: dict[str, Any] | None = None  # --autotune: samples, finished, the chosen parameters
+    strategy: str = "ring"  # --strategy
+    # --strategy ps: servers, workers, staleness; the staleness histogram (server updates each
+    # applied gradient was behind), updates/s and bytes per step of each server, each worker's
+    # wait, and the exactly-once counters (ringtrain.training.ps_run.summary_record)
+    ps: dict[str, Any] | None = None
+    # --pipeline-stages > 1: the stages (layers, params, bytes), schedule, micro-batches, the
+    # replicas, and each stage's measured busy and step time (param_checksums are then per rank
+    # of its stage's weights: equal within a stage)
+    pipeline: dict[str, Any] | None = None
     host: dict[str, Any] = field(default_factory=lambda: {
         "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()})
 

@@ -88,6 +88,26 @@ def event(wall_time: float, step: int = 0, file_version: str | None = None,
     return out
 
 
+def _doubles(number: int, values: list[float]) -> bytes:  # packed repeated double
+    return _field(number, struct.pack(f"<{len(values)}d", *values))
+
+
+def histogram_event(wall_time: float, step: int, tag: str, counts: dict[int, int]) -> bytes:
+    """An ``Event`` whose summary value (``Value.histo``, 5) is a ``HistogramProto`` of integer
+    values: min (1), max (2), num (3), sum (4), sum_squares (5), bucket_limit (6), bucket (7);
+    bucket i counts the values in (limit[i-1], limit[i]], so each integer is its own bucket."""
+    keys = sorted(counts)
+    n = float(sum(counts.values()))
+    total = float(sum(k * c for k, c in counts.items()))
+    squares = float(sum(k * k * c for k, c in counts.items()))
+    histo = b"".join(b"%c" % (i << 3 | 1) + struct.pack("<d", v) for i, v in
+                     ((1, float(keys[0]) if keys else 0.0), (2, float(keys[-1]) if keys else 0.0),
+                      (3, n), (4, total), (5, squares)))
+    histo += _doubles(6, [float(k) for k in keys]) + _doubles(7, [float(counts[k]) for k in keys])
+    value = _field(1, tag.encode()) + _field(5, histo)
+    return b"\x09" + struct.pack("<d", wall_time) + b"\x10" + _varint(step) + _field(5, _field(1, value))
+
+
 class EventWriter:
     """Appends scalars to one new event file in ``logdir`` (created on the first write, so a run
     that fails before training leaves no file behind)."""
@@ -119,6 +139,11 @@ class EventWriter:
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._open().write(record(event(time.time(), step, scalars=values)))
+
+    def histogram(self, step: int, tag: str, counts: dict[int, int]) -> None:
+        """``counts`` ({integer value: how many}) as one histogram (TensorBoard's Histograms and
+        Distributions tabs)."""
+        self._open().write(record(histogram_event(time.time(), step, tag, counts)))
 
     def flush(self) -> None:
         if self._file is not None:

@@ -138,7 +138,7 @@ def run_epochs(state, run: FrameworkRun, progress: Progress) -> tuple[float, flo
         rec = EpochRecord.of(epoch, loss_sum=state.loss_sum[0], images=state.loss_sum[1], test=test,
                              lr=lr, seconds=time.time() - state.epoch_started)
         progress.epoch(rec)
-        checkpoint.save_if_due(args, world.rank, epoch, run.save)
+        checkpoint.save_if_due(args, world.rank == 0, epoch, run.save)
         state.records.append(asdict(rec))
         state.train_seconds += rec.seconds
         state.images_seen += state.loss_sum[1]

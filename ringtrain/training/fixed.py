@@ -46,10 +46,13 @@ class FixedRun:
             lr_scaling="none (adasum)" if args.adasum else args.lr_scaling,
             resumed_from_epoch=start_epoch or None)
         self.train_seconds = self.images_seen = 0.0
+        note = run.strategy_note()
         self.progress.info(f"{ident.versions_line()} ({self.world.controller}): {self.world.size} "
                            f"rank(s), {ident.model_name} {ident.param_count:,} params, lr "
                            f"{args.base_lr:g} -> {self.target_lr:g}, {self.steps} steps/epoch of "
-                           f"{global_batch} images")
+                           f"{global_batch} images" + (f"; {note}" if note else ""))
+        for line in run.describe():
+            self.progress.info(line)
 
     # --- the run ----------------------------------------------------------------------------------
 
@@ -63,13 +66,14 @@ class FixedRun:
     def epochs(self) -> range:
         return range(self.start_epoch + 1, self.args.epochs + 1)
 
-    def index_batches(self, epoch: int) -> list[np.ndarray]:
-        """This rank's index arrays of ``epoch``, one per optimizer step: K x batch-size indices
-        each, the last possibly short but every micro-batch non-empty (``steps`` x K is at most
-        the shard's batch count)."""
+    def index_batches(self, epoch: int, shard: int | None = None) -> list[np.ndarray]:
+        """This rank's index arrays of ``epoch`` (shard ``shard``'s, when given), one per
+        optimizer step: K x batch-size indices each, the last possibly short but every
+        micro-batch non-empty (``steps`` x K is at most the shard's batch count)."""
         a, run = self.args, self.run
+        shard = run.shard_rank if shard is None else shard
         # Horovod: shard: rank r takes every N-th sample of the epoch's order, the same on all ranks.
-        idx = shard_indices(self.n_train, run.shard_rank, run.shard_size, a.seed, epoch,
+        idx = shard_indices(self.n_train, shard, run.shard_size, a.seed, epoch,
                             shuffle=not a.no_shuffle)
         rows = a.batch_size * a.backward_passes_per_step
         return [idx[s * rows:(s + 1) * rows] for s in range(self.steps)]
@@ -87,7 +91,7 @@ class FixedRun:
                 images += used
                 self.after_step(epoch, step + 1, loss=loss, lr=lr, consumed=images * run.shard_size)
             self.stop_if(run.flush_diverged())  # the epoch's last step, before a checkpoint holds it
-            self.end_epoch(epoch, train_sums=[run.take_loss_sum(), images],
+            self.end_epoch(epoch, train_sums=run.train_sums(images),
                            seconds=time.perf_counter() - t0, lr=lr)
 
     # --- per step ---------------------------------------------------------------------------------
@@ -130,7 +134,7 @@ class FixedRun:
         self.images_seen += images
         self.summary.epochs.append(rec)
         self.progress.epoch(rec)
-        checkpoint.save_if_due(self.args, self.world.rank, epoch, self.run.save)
+        checkpoint.save_if_due(self.args, self.run.writes_checkpoints, epoch, self.run.save)
         if self.run.tools is not None:
             self.run.tools.keep_log(self.world.rank)  # --autotune: rank 0's log, so far
         return rec
@@ -143,6 +147,8 @@ class FixedRun:
                 else exact_test_metrics(self.world, self.run.eval_sums()))
         if self.run.tools is not None:  # --autotune: what Horovod chose, said and kept by rank 0
             self.summary.autotune = self.run.tools.finish(self.world.rank, self.progress.info)
+        for name, value in self.run.summary_fields().items():
+            setattr(self.summary, name, value)
         return summaries.finish(self.world, self.progress, self.args, self.summary, test=test,
                                 train_seconds=self.train_seconds, images_seen=self.images_seen,
                                 params=self.run.parameters())

@@ -112,6 +112,12 @@ class FrameworkRun(ABC):
     def take_loss_sum(self) -> float:
         """This rank's summed training loss since the last call (then reset to zero)."""
 
+    def train_sums(self, images: int) -> list[float]:
+        """This rank's share of the epoch's exact train loss: (loss sum, examples), summed over
+        every rank by the loop; ``images`` the examples its steps reported.  A rank that computes
+        no loss (a pipeline's earlier stages) gives zeros, so each example counts once."""
+        return [self.take_loss_sum(), images]
+
     @abstractmethod
     def diverged(self, tag: StepTag) -> StepTag | None:
         """After a step: the tag of the step after which the weights stopped being finite
@@ -140,9 +146,28 @@ class FrameworkRun(ABC):
     def save(self, epoch: int) -> None:
         """Write the checkpoint of ``epoch`` (called where :func:`checkpoint.save_if_due` says)."""
 
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this rank writes checkpoints: rank 0, which holds the whole model (a pipeline:
+        each stage's first replica, one file per stage)."""
+        return self.world.rank == 0
+
     @abstractmethod
     def parameters(self) -> list[np.ndarray]:
         """The model's floating-point state, in model order, for the checksums."""
+
+    def strategy_note(self) -> str | None:
+        """What the banner adds about a strategy other than the ring (who serves, who works)."""
+        return None
+
+    def describe(self) -> list[str]:
+        """Lines rank 0 prints under the run's banner (a pipeline's stages); none by default."""
+        return []
+
+    def summary_fields(self) -> dict[str, Any]:
+        """Fields of the ``--metrics-out`` summary this strategy fills at the end, called on every
+        rank (it may gather); none by default."""
+        return {}
 
     # --- who drives the steps ---------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ def new_summary(args: argparse.Namespace, world: World, identity: RunIdentity,
     return Summary(framework=identity.framework, versions=dict(identity.versions),
                    controller=world.controller, param_count=identity.param_count,
                    model=identity.model, dataset=identity.data.name, data=identity.data.record(),
-                   **fields)
+                   strategy=identity.strategy, **fields)
 
 
 def finish(world: World, progress: Progress, args: argparse.Namespace, summary: Summary, *,

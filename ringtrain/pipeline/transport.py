@@ -1,0 +1,116 @@
+"""The messages between a replica's stages: activations forward, gradients back, as NumPy
+buffers over MPI point to point (mpi4py), on a communicator of the pipeline's own.
+
+Why MPI and not Horovod: Horovod 0.28.1 has collectives only (allreduce, allgather, broadcast,
+alltoall), no send/receive between two ranks; an alltoall per micro-batch would make every rank
+of the world take part in every hop.  Why not ``torch.distributed.pipelining``: it needs a
+``torch.distributed`` process group (its own rendezvous and transport, Gloo or NCCL, beside
+Horovod's), exists for PyTorch only, and would run its own schedule and its own gradient
+reduction; here one schedule (:mod:`ringtrain.pipeline.schedule`) serves both frameworks and the
+gradients go through Horovod's process sets.  MPI is there already: Horovod's MPI controller runs
+on it, and mpi4py initialises it with ``MPI_THREAD_MULTIPLE`` before ``hvd.init()`` (which then
+uses it), so Horovod's background thread and these messages share it safely.  Gloo has no
+point-to-point API in Horovod, so a pipeline needs the MPI controller (refused under Gloo).
+
+Receives are posted before they are needed (:mod:`ringtrain.pipeline.engine` posts a window of
+them ahead); every wait polls its request with a short, growing pause (10 us up to
+:data:`MAX_PAUSE`, so a rank waiting through the pipeline's bubble gives its core to the stage it
+waits for) and is bounded: past ``--stall-timeout`` (and the watchdog's grace) it ends the job
+with one line naming the peer, though the watchdog, which knows what this rank waits for
+(:func:`ringtrain.faults.watchdog.waiting`), normally speaks first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ringtrain.faults import watchdog
+from ringtrain.faults.guardian import GRACE
+
+MAX_PAUSE = 0.0005  # s between two polls of a long wait
+
+
+def mpi():
+    """mpi4py's MPI module; importing it initialises MPI (``MPI_THREAD_MULTIPLE``) if nobody has
+    yet, which is why a pipeline run imports it before ``hvd.init()``."""
+    from mpi4py import MPI
+
+    return MPI
+
+
+def world_size() -> int:
+    """The number of ranks MPI started (before Horovod is initialised)."""
+    return mpi().COMM_WORLD.Get_size()
+
+
+@dataclass
+class Incoming:
+    """A posted receive: its buffer, filled once the request completes."""
+
+    buffer: np.ndarray
+    request: Any
+    source: int
+    what: str
+
+
+@dataclass
+class Link:
+    """This rank's point-to-point messages (and the pipeline's one small allreduce per step), on
+    ``comm``, a duplicate of ``MPI_COMM_WORLD``: its tags never meet Horovod's traffic."""
+
+    comm: Any
+    rank: int
+    timeout: float  # --stall-timeout; 0: wait for ever, as the user asked
+    sends: list[tuple[Any, np.ndarray, int]] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, rank: int, timeout: float) -> Link:
+        return cls(mpi().COMM_WORLD.Dup(), rank, timeout)
+
+    def post(self, shape: tuple[int, ...], dtype, source: int, tag: int, what: str) -> Incoming:
+        buffer = np.empty(shape, dtype)
+        return Incoming(buffer, self.comm.Irecv(buffer, source=source, tag=tag), source, what)
+
+    def wait(self, incoming: Incoming) -> np.ndarray:
+        self._wait(incoming.request, incoming.what, incoming.source)
+        return incoming.buffer
+
+    def send(self, array: np.ndarray, dest: int, tag: int) -> None:
+        """Send without waiting; the buffer is kept until :meth:`finish_sends`."""
+        array = np.ascontiguousarray(array)
+        self.sends.append((self.comm.Isend(array, dest=dest, tag=tag), array, dest))
+
+    def finish_sends(self, what: str) -> None:
+        """Wait until every message sent since the last call has been taken by its receiver."""
+        for request, _, dest in self.sends:
+            self._wait(request, f"{what} to be received", dest, "by")
+        self.sends.clear()
+
+    def allreduce_sum(self, values: np.ndarray, what: str) -> np.ndarray:
+        """Element-wise float64 sum over every rank, without Horovod's coordination cycle (a few
+        microseconds here, against a millisecond or more)."""
+        send = np.ascontiguousarray(values, np.float64)
+        out = np.empty_like(send)
+        self._wait(self.comm.Iallreduce(send, out, op=mpi().SUM), what, None)
+        return out
+
+    def _wait(self, request, what: str, peer: int | None, towards: str = "from") -> None:
+        if request.Test():
+            return
+        deadline = time.monotonic() + self.timeout + GRACE if self.timeout > 0 else None
+        source = f" {towards} rank {peer}" if peer is not None else ""
+        pause = 1e-5
+        with watchdog.waiting(f"{what}{source}"):
+            while not request.Test():
+                if deadline is not None and time.monotonic() > deadline:
+                    watchdog.end_job(
+                        f"rank {self.rank} waited {self.timeout + GRACE:.0f} s for {what}{source} "
+                        f"(--stall-timeout {self.timeout:g}): "
+                        f"{'that rank' if peer is not None else 'a rank'} is frozen, dead or cut "
+                        f"off; aborting the job")
+                time.sleep(pause)
+                pause = min(2 * pause, MAX_PAUSE)

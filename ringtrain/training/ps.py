@@ -1,0 +1,678 @@
+"""Parameter servers with bounded staleness: the engine, framework-free and transport-free.
+
+Ranks ``0 .. P-1`` serve, the others work.  The model's trainable parameters are one flat
+float32 vector of D values; server ``s`` holds the contiguous range ``bounds[s]:bounds[s+1]``
+of it (:func:`split`) and the momentum of that range only.  Contiguous ranges of one float32
+vector balance the servers' bytes exactly (their sizes differ by at most one value, 4 bytes),
+whatever the tensors' sizes; giving each server whole tensors could not (the CNN's first dense
+layer holds 87% of its 184,586 parameters) and buys nothing, since workers send and receive
+flat slices anyway.
+
+A worker pulls the weights (one slice from every server), computes the gradient of one batch,
+pushes it (one slice to every server) and gets the next weights in reply.  Its batches are its
+shard of the epoch, exactly the ring's (``FixedRun.index_batches``: shard rank = worker index,
+shard size = number of workers); server 0 hands them out one at a time in its replies, own
+batches in order, and a worker whose own batches are all handed out takes the last unassigned
+batch of the worker with the most left (the epoch's tail goes to whoever is free).  Every batch
+of the epoch is trained on once, and a slow worker no longer holds the epoch's end back by its
+whole shard, only by the batch it is computing.  (With staleness 0 every worker is at the same
+step, so no batch changes hands: the ring's assignment.)
+
+The update rule, SGD with momentum in the framework's own form (``rule``: ``torch``:
+``v = mu v + g; w -= lr v``; ``keras``: ``v = mu v - lr g; w += v``, what its checkpoints hold):
+
+* **staleness 0** (synchronous through the servers): a server waits for the N gradients of step
+  t, averages them in worker order and applies one update at the ring's LR for that step (the
+  LR rule scaled by N, ``FixedRun.lr``), then answers the N pulls.  That is the ring's math: the
+  same average, the same update, so N workers after k steps hold the ring's weights up to float
+  summation order.
+* **staleness K > 0 or inf**: each gradient is applied once, as it arrives, at LR / N (N
+  applications at LR / N move the weights about as far as one averaged step at LR).  Momentum is
+  per application: every applied gradient decays the velocity by mu, so a constant gradient gives
+  the ring's step per round of N gradients (lr g / (1 - mu)), but the velocity remembers
+  1 / (1 - mu) applications, i.e. 1 / (N (1 - mu)) rounds, not steps; staleness itself acts as
+  extra momentum (Mitliagkas et al. 2016), which is why momentum suffers most from it (Dai et
+  al. 2019).
+
+Staleness control (stale-synchronous parallel): a worker's clock is the number of gradients it
+has pushed this epoch.  A server answers a pull from a worker at clock c once it has applied that
+worker's own c gradients and the slowest worker still training this epoch has clock >= c - K.
+K = inf never waits for anyone.  Each applied gradient records how many updates the server
+applied between the weights it was computed on and its own application (the staleness
+histogram; 0 throughout at K = 0).
+
+Every message is one float32 array: an 8-value header (:data:`HEADER`, read as int32 through a
+view, the step's loss as float32) and, for pushes and replies, the slice.  Nothing is pickled.
+The transport (:class:`Link`) is MPI point to point in a job (``ringtrain.training.ps_mpi``) and
+threads of one process in the tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+# --- the wire format ------------------------------------------------------------------------------
+
+HEADER = 8  # float32 values in front of every message
+KIND, EPOCH, OWNER, T, CLOCK, VERSION, FLAGS, LOSS = range(HEADER)
+# worker -> server
+PULL, PUSH, FINAL = 1, 2, 3
+# server -> worker, server -> server
+WEIGHTS, EXCHANGE, DEAD = 4, 5, 6
+# FLAGS of a reply: STOP (the weights stopped being finite: train no further)
+STOP = 1
+# One tag per direction: MPI delivers messages from one sender with one tag in the order sent,
+# so a server sees a worker's pushes before its FINAL, and each reply before the next.
+TAG_UP, TAG_DOWN, TAG_PEER, TAG_CTRL, TAG_VERDICT = 11, 12, 13, 14, 15
+NONE = -1  # no batch assigned: the epoch's batches are all handed out
+
+
+def header(buf: np.ndarray) -> np.ndarray:
+    """The int32 view of a message's header (its loss slot read through :func:`loss_of`)."""
+    return buf[:HEADER].view(np.int32)
+
+
+def loss_of(buf: np.ndarray) -> float:
+    return float(buf[LOSS])
+
+
+def split(size: int, parts: int) -> list[int]:
+    """Bounds of ``parts`` contiguous ranges of ``range(size)`` whose lengths differ by <= 1."""
+    return [size * p // parts for p in range(parts + 1)]
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Who serves and who works in a world of ``world`` ranks with ``servers`` servers."""
+
+    servers: int
+    world: int
+
+    @property
+    def workers(self) -> int:
+        return self.world - self.servers
+
+    def serves(self, rank: int) -> bool:
+        return rank < self.servers
+
+    def worker_rank(self, index: int) -> int:
+        return self.servers + index
+
+    def worker_index(self, rank: int) -> int:
+        return rank - self.servers
+
+
+# --- the transport --------------------------------------------------------------------------------
+
+class Link(Protocol):
+    """Non-blocking point-to-point transfers of float32 arrays between ranks.  A buffer handed to
+    :meth:`isend` or :meth:`irecv` belongs to the transfer until its request has completed."""
+
+    def isend(self, dest: int, tag: int, buf: np.ndarray) -> Any: ...
+
+    def irecv(self, source: int, tag: int, buf: np.ndarray) -> Any: ...
+
+    def wait_any(self, requests: Sequence[Any], timeout: float) -> tuple[int, int] | None:
+        """(index, float32 values received) of one completed request among ``requests`` (None
+        entries are skipped), or None if none completed within ``timeout`` seconds."""
+
+    def wait(self, request: Any, timeout: float) -> int | None:
+        """Values received (or 0 for a send) once ``request`` completes; None on timeout."""
+
+
+class PeerSilent(Exception):
+    """A peer this rank waits for has been silent past the engine's deadline."""
+
+
+# --- the servers' optimizer -----------------------------------------------------------------------
+
+class SliceSGD:
+    """SGD with momentum on one server's slice, in place, float32, in the framework's form."""
+
+    def __init__(self, weights: np.ndarray, momentum: float, rule: str,
+                 velocity: np.ndarray | None = None) -> None:
+        if rule not in ("torch", "keras"):
+            raise ValueError(f"unknown momentum rule {rule!r}")
+        self.w, self.rule = weights, rule
+        self.mu = np.float32(momentum)
+        self.v = None
+        if momentum:
+            self.v = np.zeros_like(weights) if velocity is None else velocity
+        self.tmp = np.empty_like(weights)
+
+    def apply(self, grad: np.ndarray, lr: float) -> None:
+        lr32 = np.float32(lr)
+        if self.v is None:
+            np.multiply(grad, lr32, out=self.tmp)
+            self.w -= self.tmp
+        elif self.rule == "torch":  # torch.optim.SGD: buf.mul_(mu).add_(g); p.add_(buf, alpha=-lr)
+            self.v *= self.mu
+            self.v += grad
+            np.multiply(self.v, lr32, out=self.tmp)
+            self.w -= self.tmp
+        else:  # keras.optimizers.SGD: m = -g * lr + m * mu; w += m
+            self.v *= self.mu
+            np.multiply(grad, lr32, out=self.tmp)
+            self.v -= self.tmp
+            self.w += self.v
+
+
+# --- who trains which batch (server 0) -----------------------------------------------------------
+
+class Assigner:
+    """Server 0's book of an epoch's batches: worker w's own batch t is ``(w, t)``, t < steps."""
+
+    def __init__(self, workers: int, steps: int) -> None:
+        self.workers, self.steps = workers, steps
+        self.next = [0] * workers  # the next own batch not yet handed out
+        self.end = [steps] * workers  # batches from here on were taken by other workers
+        self.stolen = 0
+
+    def new_epoch(self) -> None:
+        self.next, self.end, self.stolen = [0] * self.workers, [self.steps] * self.workers, 0
+
+    def left(self, w: int) -> int:
+        return self.end[w] - self.next[w]
+
+    def take(self, w: int) -> tuple[int, int] | None:
+        """The batch worker ``w`` trains next: its own next one, else the last unassigned batch
+        of the worker with the most left (the lowest index among equals), else None."""
+        if self.next[w] < self.end[w]:
+            self.next[w] += 1
+            return w, self.next[w] - 1
+        victim = max(range(self.workers), key=lambda v: (self.left(v), -v))
+        if self.left(victim) <= 0:
+            return None
+        self.end[victim] -= 1
+        self.stolen += 1
+        return victim, self.end[victim]
+
+
+# --- the books --------------------------------------------------------------------------------
+
+@dataclass
+class ServerBooks:
+    """One server's counters over the run (``applied`` per worker, run-wide) and this epoch's."""
+
+    applied: list[int]
+    received: list[int]
+    staleness: Counter = field(default_factory=Counter)
+    updates: int = 0  # updates applied (aggregated steps at K = 0): the weights' version
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+    epoch_updates: list[int] = field(default_factory=list)
+    epoch_bytes: list[tuple[int, int]] = field(default_factory=list)
+    epoch_seconds: list[float] = field(default_factory=list)
+    stolen: int = 0
+
+    def record(self) -> dict[str, Any]:
+        return {"applied": list(self.applied), "received": list(self.received),
+                "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+                "updates": self.updates, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+                "seconds": self.seconds, "epoch_updates": list(self.epoch_updates),
+                "epoch_bytes": [list(b) for b in self.epoch_bytes],
+                "epoch_seconds": list(self.epoch_seconds), "stolen": self.stolen}
+
+
+@dataclass
+class WorkerBooks:
+    pushed: int = 0
+    own: int = 0
+    taken: int = 0  # batches of other workers' shards
+    wait_seconds: float = 0.0
+    seconds: float = 0.0
+    last_loss: float = 0.0
+
+    def record(self) -> dict[str, Any]:
+        return {"pushed": self.pushed, "own": self.own, "taken": self.taken,
+                "wait_seconds": self.wait_seconds, "seconds": self.seconds}
+
+
+@dataclass(frozen=True)
+class Config:
+    """What every rank of a parameter-server job agrees on."""
+
+    roles: Roles
+    size: int                     # D, the flat parameter vector's length
+    staleness: int | None         # K; None = inf
+    momentum: float
+    rule: str                     # "torch" | "keras"
+    steps: int                    # batches per worker per epoch (the ring's optimizer steps)
+    lr: Callable[[int, int], float]  # (epoch, step) -> the ring's LR (scaled by the workers)
+    deadline: float | None = None  # s a rank waits for a silent peer before PeerSilent (None: never)
+    tick: float = 0.5             # s between a waiting rank's checks
+
+    @property
+    def bounds(self) -> list[int]:
+        return split(self.size, self.roles.servers)
+
+    def slice(self, server: int) -> slice:
+        b = self.bounds
+        return slice(b[server], b[server + 1])
+
+    def length(self, server: int) -> int:
+        b = self.bounds
+        return b[server + 1] - b[server]
+
+
+# --- a server ---------------------------------------------------------------------------------
+
+def forever(deadline: float | None) -> float:
+    return deadline if deadline is not None else 1e9
+
+
+class Server:
+    """Server ``index`` of the job: its slice, its optimizer, its books, its epoch loop.
+
+    ``silent()`` (server 0) names the ranks whose heartbeats stopped (the watchdog's), with
+    seconds of silence; a silent worker is ``on_dead(rank, seconds)``'s to judge: True goes on
+    without it (K = inf, under an MPI that survives a rank's death), False ends the job
+    (:class:`PeerSilent`).  A silent server always ends it: its slice is gone.  ``progress()``
+    marks the rank alive for its watchdog after each update; ``on_step(epoch, updates, loss)``
+    (server 0) reports each update to the progress bar.
+    """
+
+    def __init__(self, cfg: Config, link: Link, index: int, weights: np.ndarray,
+                 velocity: np.ndarray | None = None, *,
+                 silent: Callable[[], dict[int, float]] = dict,
+                 on_dead: Callable[[int, float], bool] = lambda rank, quiet: False,
+                 progress: Callable[[], None] = lambda: None,
+                 on_step: Callable[[int, int, float], None] = lambda epoch, step, loss: None) -> None:
+        self.cfg, self.link, self.index = cfg, link, index
+        n, roles = cfg.length(index), cfg.roles
+        self.opt = SliceSGD(np.array(weights, dtype=np.float32), cfg.momentum, cfg.rule, velocity)
+        self.silent, self.on_dead, self.progress, self.on_step = silent, on_dead, progress, on_step
+        w = roles.workers
+        self.books = ServerBooks(applied=[0] * w, received=[0] * w)
+        self.inbox = [np.zeros(HEADER + n, np.float32) for _ in range(w)]
+        self.outbox = [np.zeros(HEADER + n, np.float32) for _ in range(w)]
+        self.sending: list[Any] = [None] * w  # a reply's send, waited for before its buffer is reused
+        self.recvs: list[Any] = [None] * w
+        self.ctrl_buf = np.zeros(HEADER, np.float32)
+        self.ctrl: Any = None
+        self.dead: set[int] = set()  # worker indices, run-wide
+        self.assigner = Assigner(w, cfg.steps) if index == 0 else None
+        self.diverged: tuple[int, int, float] | None = None  # (epoch, step, loss) of the first
+        self.sum = np.zeros(n, np.float32)
+        self.epoch = 0
+
+    @property
+    def weights(self) -> np.ndarray:
+        return self.opt.w
+
+    @property
+    def velocity(self) -> np.ndarray | None:
+        return self.opt.v
+
+    def _post(self, w: int) -> None:
+        self.recvs[w] = self.link.irecv(self.cfg.roles.worker_rank(w), TAG_UP, self.inbox[w])
+
+    def _live(self) -> list[int]:
+        return [w for w in range(self.cfg.roles.workers) if w not in self.dead]
+
+    # --- the epoch ------------------------------------------------------------------------
+
+    def serve_epoch(self, epoch: int) -> None:
+        """Until every live worker has sent its FINAL: apply their gradients and answer their
+        pulls; then answer every FINAL with this epoch's last weights."""
+        cfg, books = self.cfg, self.books
+        t0, b0, u0 = time.monotonic(), (books.bytes_in, books.bytes_out), books.updates
+        self.begin_epoch(epoch)
+        last_message = last_check = time.monotonic()
+        while not self.epoch_done():
+            got = self.link.wait_any([*self.recvs, self.ctrl], cfg.tick)
+            now = time.monotonic()
+            if got is None or now - last_check >= cfg.tick:
+                last_check = now
+                self._check_silent(now - last_message)
+            if got is not None:
+                last_message = now
+                self.handle(*got)
+        for w in sorted(self.finals):  # not waited for: a worker may die after its FINAL
+            self._reply(w, None)
+        books.epoch_seconds.append(time.monotonic() - t0)
+        books.seconds += books.epoch_seconds[-1]
+        books.epoch_updates.append(books.updates - u0)
+        books.epoch_bytes.append((books.bytes_in - b0[0], books.bytes_out - b0[1]))
+        if self.assigner is not None:
+            books.stolen += self.assigner.stolen
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Receives posted for every live worker (and server 0's word, on the others), the
+        epoch's clocks at 0, server 0's batches all unassigned."""
+        live = self._live()
+        for w in live:
+            if self.recvs[w] is None:
+                self._post(w)
+        if self.index != 0 and self.ctrl is None:
+            self.ctrl = self.link.irecv(0, TAG_CTRL, self.ctrl_buf)
+        if self.assigner is not None:
+            self.assigner.new_epoch()
+        self.epoch = epoch
+        self.clock = dict.fromkeys(live, 0)  # gradients applied this epoch, per worker still at it
+        self.pending: dict[int, int] = {}  # worker -> the clock its reply waits for
+        self.finals: set[int] = set()
+        self.held: dict[int, tuple[int, int, int]] = {}  # K = 0: worker -> (owner, t, version)
+
+    def epoch_done(self) -> bool:
+        return set(self._live()) <= self.finals
+
+    def handle(self, i: int, count: int) -> None:
+        """The message that completed receive ``i`` (a worker's, or at ``workers`` server 0's
+        word that a worker is dead), then every reply that may now go."""
+        if i == self.cfg.roles.workers:
+            self._dead(int(header(self.ctrl_buf)[OWNER]))
+            self.ctrl = self.link.irecv(0, TAG_CTRL, self.ctrl_buf)
+        else:
+            self._receive(i, count)
+        self._answer()
+
+    def _receive(self, w: int, count: int) -> None:
+        buf = self.inbox[w]
+        h = header(buf)
+        kind = int(h[KIND])
+        self.books.bytes_in += 4 * count
+        self.recvs[w] = None
+        if int(h[EPOCH]) != self.epoch:
+            raise RuntimeError(f"server {self.index}: worker {w} sent epoch {int(h[EPOCH])} "
+                               f"during epoch {self.epoch}")
+        if kind == PULL:
+            self.pending[w] = 0
+            self._post(w)
+        elif kind == FINAL:
+            self.finals.add(w)
+            self.clock.pop(w, None)  # done with this epoch: nobody waits for it
+            self._post(w)
+        elif kind == PUSH:
+            self.books.received[w] += 1
+            clock = int(h[CLOCK])
+            self.pending[w] = clock
+            if self.diverged is not None:  # stopping: gradients of non-finite weights are dropped
+                self._post(w)
+            elif self.cfg.staleness == 0:  # its buffer is held (not reposted) until the step's update
+                self.held[w] = (int(h[OWNER]), int(h[T]), int(h[VERSION]))
+                if len(self.held) == len(self.clock):
+                    self._apply_step()
+            else:
+                self._apply_one(w, clock)
+                self._post(w)
+        else:
+            raise RuntimeError(f"server {self.index}: message kind {kind} from worker {w}")
+
+    def _apply_one(self, w: int, clock: int) -> None:
+        """K > 0: this gradient alone, at LR / N."""
+        buf, cfg = self.inbox[w], self.cfg
+        h = header(buf)
+        t = int(h[T])
+        self.books.staleness[self.books.updates - int(h[VERSION])] += 1
+        self.opt.apply(buf[HEADER:], cfg.lr(self.epoch, t) / cfg.roles.workers)
+        self.books.updates += 1
+        self.books.applied[w] += 1
+        self.clock[w] = clock
+        self._after_update(t, loss_of(buf))
+
+    def _apply_step(self) -> None:
+        """K = 0: the mean of the step's gradients, summed in worker order, one update at LR."""
+        workers = sorted(self.held)
+        t = self.held[workers[0]][1]
+        self.sum[:] = self.inbox[workers[0]][HEADER:]
+        for w in workers[1:]:
+            self.sum += self.inbox[w][HEADER:]
+        self.sum /= np.float32(len(workers))
+        for w in workers:
+            self.books.staleness[self.books.updates - self.held[w][2]] += 1
+        self.opt.apply(self.sum, self.cfg.lr(self.epoch, t))
+        self.books.updates += 1
+        loss = float(np.mean([loss_of(self.inbox[w]) for w in workers]))
+        for w in workers:
+            self.books.applied[w] += 1
+            self.clock[w] += 1
+            self._post(w)
+        self.held = {}
+        self._after_update(t, loss)
+
+    def _after_update(self, t: int, loss: float) -> None:
+        self.progress()
+        # 25 us per update for half the CNN's parameters here (a float64 sum took 92 us)
+        if self.diverged is None and not np.isfinite(self.opt.w).all():
+            self.diverged = (self.epoch, t + 1, loss)
+        if self.index == 0:
+            self.on_step(self.epoch, self.books.updates, loss)
+
+    def _ready(self, w: int, clock: int) -> bool:
+        if self.diverged is not None:
+            return True
+        if self.clock.get(w, clock) < clock:  # its own gradients first (K = 0: the step's update)
+            return False
+        k = self.cfg.staleness
+        return k is None or not self.clock or min(self.clock.values()) >= clock - k
+
+    def _answer(self) -> None:
+        for w, clock in list(self.pending.items()):
+            if self._ready(w, clock):
+                del self.pending[w]
+                take = self.assigner is not None and self.diverged is None
+                self._reply(w, self.assigner.take(w) if take else None)
+
+    def _reply(self, w: int, batch: tuple[int, int] | None) -> None:
+        out = self.outbox[w]
+        if self.sending[w] is not None:  # the previous reply's buffer is free once it has left
+            self._wait(self.sending[w], f"worker rank {self.cfg.roles.worker_rank(w)}")
+        h = header(out)
+        h[KIND], h[EPOCH], h[VERSION] = WEIGHTS, self.epoch, self.books.updates
+        h[OWNER], h[T] = batch if batch is not None else (NONE, NONE)
+        h[FLAGS] = STOP if self.diverged is not None else 0
+        out[HEADER:] = self.opt.w
+        self.sending[w] = self.link.isend(self.cfg.roles.worker_rank(w), TAG_DOWN, out)
+        self.books.bytes_out += out.nbytes
+
+    # --- silent peers -----------------------------------------------------------------------
+
+    def _check_silent(self, quiet_for: float) -> None:
+        """Server 0: a rank whose heartbeat stopped is dead or frozen: a server ends the job, a
+        worker is ``on_dead``'s to judge.  Every server: no message at all past the deadline while
+        it waits for workers ends the job (a backstop: the watchdog normally has by then)."""
+        roles = self.cfg.roles
+        if self.index == 0:
+            for rank, quiet in sorted(self.silent().items()):
+                if rank < roles.servers:
+                    raise PeerSilent(f"server rank {rank}")
+                w = roles.worker_index(rank)
+                if w in self.dead or w in self.finals:
+                    continue
+                if not self.on_dead(rank, quiet):
+                    raise PeerSilent(f"worker rank {rank}")
+                self._dead(w)
+                for s in range(1, roles.servers):  # so that they stop waiting for it too
+                    msg = np.zeros(HEADER, np.float32)
+                    h = header(msg)
+                    h[KIND], h[EPOCH], h[OWNER] = DEAD, self.epoch, w
+                    self._wait(self.link.isend(s, TAG_CTRL, msg), f"server rank {s}")
+        deadline = self.cfg.deadline
+        if deadline is not None and quiet_for > deadline:
+            waited = [w for w in self._live()
+                      if w not in self.finals and w not in self.pending and w not in self.held]
+            if waited:
+                raise PeerSilent(", ".join(f"worker rank {roles.worker_rank(w)}" for w in waited))
+
+    def _dead(self, w: int) -> None:
+        """Go on without worker ``w``: nobody waits for it, its batches not yet handed out go to
+        the others (:meth:`Assigner.take`), the batch it was computing is lost."""
+        self.dead.add(w)
+        self.clock.pop(w, None)
+        self.pending.pop(w, None)
+        self.held.pop(w, None)
+        self.recvs[w] = None  # its posted receive is never matched; it is not waited for
+
+    def _wait(self, request: Any, what: str) -> int:
+        got = self.link.wait(request, forever(self.cfg.deadline))
+        if got is None:
+            raise PeerSilent(what)
+        return got
+
+    # --- the epoch's end ----------------------------------------------------------------------
+
+    def verdict(self) -> list[int]:
+        """Server 0 tells every other live rank which workers are dead (run-wide), so that all of
+        them agree before the epoch's collectives; the others read it.  Returns the list."""
+        return share_verdict(self.link, 0 if self.index == 0 else self.index, self.cfg,
+                             sorted(self.dead), self._wait)
+
+    def exchange(self, full: np.ndarray, velocity: np.ndarray | None) -> None:
+        """Fill ``full`` (D values) with every server's weights, and on server 0 ``velocity``
+        (D values, when given) with every server's momentum: each server sends its slice to the
+        others, and its momentum to server 0."""
+        cfg, roles = self.cfg, self.cfg.roles
+        full[cfg.slice(self.index)] = self.opt.w
+        momentum = self.opt.v is not None
+        if velocity is not None and momentum and self.index == 0:
+            velocity[cfg.slice(0)] = self.opt.v
+        mine = np.concatenate([np.zeros(HEADER, np.float32), self.opt.w])
+        header(mine)[KIND] = EXCHANGE
+        sends, recvs = [], []
+        for s in range(roles.servers):
+            if s == self.index:
+                continue
+            out = np.concatenate([mine, self.opt.v]) if s == 0 and momentum else mine
+            sends.append((s, self.link.isend(s, TAG_PEER, out)))
+            both = momentum and self.index == 0
+            buf = np.zeros(HEADER + cfg.length(s) * (2 if both else 1), np.float32)
+            recvs.append((s, buf, self.link.irecv(s, TAG_PEER, buf)))
+        for s, buf, req in recvs:
+            self._wait(req, f"server rank {s}")
+            n = cfg.length(s)
+            full[cfg.slice(s)] = buf[HEADER:HEADER + n]
+            if velocity is not None and len(buf) > HEADER + n:
+                velocity[cfg.slice(s)] = buf[HEADER + n:]
+        for s, req in sends:
+            self._wait(req, f"server rank {s}")
+
+
+def share_verdict(link: Link, rank: int, cfg: Config, dead: list[int],
+                  wait: Callable[[Any, str], int]) -> list[int]:
+    """Rank 0 sends ``dead`` (worker indices) to every other live rank; the others receive it.
+    One message of W + 8 values per rank and epoch."""
+    roles = cfg.roles
+    msg = np.zeros(HEADER + roles.workers, np.float32)
+    if rank == 0:
+        header(msg)[CLOCK] = len(dead)
+        msg[HEADER:HEADER + len(dead)] = dead
+        targets = [*range(1, roles.servers), *(roles.worker_rank(w) for w in range(roles.workers)
+                                             if w not in dead)]
+        for req, r in [(link.isend(r, TAG_VERDICT, msg), r) for r in targets]:
+            wait(req, f"{'server' if roles.serves(r) else 'worker'} rank {r}")
+        return list(dead)
+    wait(link.irecv(0, TAG_VERDICT, msg), "server rank 0")
+    return [int(x) for x in msg[HEADER:HEADER + int(header(msg)[CLOCK])]]
+
+
+# --- a worker ---------------------------------------------------------------------------------
+
+class Worker:
+    """Worker ``index``: pulls, computes, pushes; ``weights`` is the flat vector it computes on.
+
+    In :meth:`work_epoch`, ``use(weights)`` hands the pulled weights to the model before each
+    gradient and ``gradient(batch) -> (flat gradient, mean loss)`` computes one (the framework's
+    part); ``own`` yields this worker's own batches of the epoch in order, ``fetch(owner, t)``
+    another worker's batch t (the epoch's tail).
+    """
+
+    def __init__(self, cfg: Config, link: Link, index: int, *,
+                 progress: Callable[[], None] = lambda: None) -> None:
+        self.cfg, self.link, self.index = cfg, link, index
+        self.rank = cfg.roles.worker_rank(index)
+        self.progress = progress
+        p = cfg.roles.servers
+        self.weights = np.zeros(cfg.size, np.float32)
+        self.outbox = [np.zeros(HEADER + cfg.length(s), np.float32) for s in range(p)]
+        self.inbox = [np.zeros(HEADER + cfg.length(s), np.float32) for s in range(p)]
+        self.versions = [0] * p
+        self.books = WorkerBooks()
+
+    def _wait(self, request: Any, what: str) -> int:
+        got = self.link.wait(request, forever(self.cfg.deadline))
+        if got is None:
+            raise PeerSilent(what)
+        return got
+
+    def _exchange(self, kind: int, epoch: int, clock: int = 0,
+                  batch: tuple[int, int] = (NONE, NONE), grad: np.ndarray | None = None,
+                  loss: float = 0.0) -> tuple[tuple[int, int] | None, int]:
+        """One message to every server (the receives for their replies posted first), then every
+        reply: the weights into ``self.weights``; server 0's next batch for this worker (None:
+        none left) and the replies' flags are returned."""
+        cfg = self.cfg
+        recvs = [self.link.irecv(s, TAG_DOWN, self.inbox[s]) for s in range(cfg.roles.servers)]
+        sends = []
+        for s, out in enumerate(self.outbox):
+            h = header(out)
+            h[KIND], h[EPOCH], h[CLOCK], h[VERSION], h[FLAGS] = kind, epoch, clock, self.versions[s], 0
+            h[OWNER], h[T] = batch
+            out[LOSS] = loss
+            if grad is not None:
+                out[HEADER:] = grad[cfg.slice(s)]
+            sends.append(self.link.isend(s, TAG_UP, out if grad is not None else out[:HEADER]))
+        t0 = time.monotonic()
+        flags = 0
+        for s, req in enumerate(recvs):
+            self._wait(req, f"server rank {s}")
+            h = header(self.inbox[s])
+            self.versions[s] = int(h[VERSION])
+            flags |= int(h[FLAGS])
+            self.weights[cfg.slice(s)] = self.inbox[s][HEADER:]
+        for s, req in enumerate(sends):
+            self._wait(req, f"server rank {s}")
+        self.books.wait_seconds += time.monotonic() - t0
+        h0 = header(self.inbox[0])
+        return (None if int(h0[OWNER]) == NONE else (int(h0[OWNER]), int(h0[T]))), flags
+
+    def work_epoch(self, epoch: int, own: Iterator[Any], fetch: Callable[[int, int], Any],
+                   use: Callable[[np.ndarray], None],
+                   gradient: Callable[[Any], tuple[np.ndarray, float]]) -> int:
+        """Train this worker's share of ``epoch``; returns the replies' flags (STOP: the weights
+        stopped being finite).  ``self.weights`` ends as the epoch's final weights."""
+        t0 = time.monotonic()
+        batch, flags = self._exchange(PULL, epoch)
+        clock, expect = 0, 0
+        while batch is not None and not flags & STOP:
+            owner, t = batch
+            if owner == self.index:
+                if t != expect:
+                    raise RuntimeError(f"worker {self.index}: own batch {t} assigned, {expect} next")
+                data, expect = next(own), expect + 1
+                self.books.own += 1
+            else:
+                data = fetch(owner, t)
+                self.books.taken += 1
+            use(self.weights)
+            grad, loss = gradient(data)
+            clock += 1
+            self.books.last_loss = loss
+            batch, flags = self._exchange(PUSH, epoch, clock, (owner, t), grad, loss)
+            self.books.pushed += 1
+            self.progress()
+        _, final = self._exchange(FINAL, epoch, clock)
+        self.books.seconds += time.monotonic() - t0
+        return flags | final
+
+    def verdict(self) -> list[int]:
+        return share_verdict(self.link, self.rank, self.cfg, [], self._wait)
+
+
+def histogram_line(staleness: dict[str, int], buckets: Sequence[int] = (0, 1, 2, 4, 8, 16)) -> str:
+    """``0: 812, 1: 640, 2-3: 301, 4-7: 12`` from a {updates behind: count} record."""
+    counts = Counter({int(k): v for k, v in staleness.items()})
+    parts, edges = [], [*buckets, None]
+    for lo, hi in zip(edges, edges[1:], strict=False):
+        n = sum(v for k, v in counts.items() if k >= lo and (hi is None or k < hi))
+        if n:
+            label = f"{lo}" if hi == lo + 1 else f"{lo}+" if hi is None else f"{lo}-{hi - 1}"
+            parts.append(f"{label}: {n}")
+    return ", ".join(parts) or "none"

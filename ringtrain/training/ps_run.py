@@ -1,0 +1,426 @@
+"""``--strategy ps``: a fixed-size job on parameter servers, the same for both frameworks.
+
+:class:`ParameterServerRun` is the half of a parameter-server run object that needs no
+framework: mixed into a framework's run object (``torch_models.ps.TorchPSRun``,
+``tf_models.ps.KerasPSRun``), it takes over :meth:`fit` and drives the engine
+(:mod:`ringtrain.training.ps`) through the shared :class:`~ringtrain.training.fixed.FixedRun`:
+the same shards, the same LR rule, the same epoch records, exact metrics and checkpoints.  The
+framework's half only moves the model's trainable parameters to and from one flat float32 vector
+and computes a step's gradient as one (:meth:`get_flat`, :meth:`set_flat`, :meth:`flat_gradient`;
+:meth:`get_velocity`, :meth:`set_velocity` for server 0's checkpoints).
+
+The run opens with every rank holding rank 0's weights (fresh or resumed: one ``Bcast``), and
+server 0 handing each server the momentum of its slice.  Each epoch: servers serve and workers
+work (:meth:`Server.serve_epoch`, :meth:`Worker.work_epoch`); server 0's verdict on dead workers
+reaches every survivor; the servers exchange their slices, so that every rank ends the epoch
+with the servers' weights (the workers got them in the reply to their FINAL); every rank learns
+whether the weights stayed finite; then :meth:`FixedRun.end_epoch` as for the ring: exact test
+metrics on those weights, split over all ranks, and server 0's checkpoint (today's format, so
+``--resume`` works across strategies and any number of servers).
+
+Faults (docs/parameter-servers.md): a worker whose heartbeat stops for ``--stall-timeout`` s is
+dead or frozen.  At ``--staleness inf`` the job goes on without it, if the launcher survives a
+rank's death (Open MPI 4's ``mpirun --enable-recovery``; without it, mpirun ends every rank when
+one dies, so the job ends now, in one line saying so); at any other staleness the others would
+wait for it, so it ends in one line naming it.  A server that dies takes its slice with it: one
+line.  Server 0 itself dead: the workers' watchdogs name it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from abc import abstractmethod
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from ringtrain import flags
+from ringtrain.faults import watchdog
+from ringtrain.training import ps, ps_mpi
+from ringtrain.training.fixed import FixedRun
+from ringtrain.training.run import FrameworkRun
+from ringtrain.training.world import World
+
+
+class ParameterServerRun(FrameworkRun):
+    """Mix in before the framework's run object: ``class TorchPSRun(ParameterServerRun,
+    TorchRun)``, whose constructor calls :meth:`open_run`."""
+
+    momentum_rule: str  # "torch" | "keras": how the framework's SGD keeps momentum
+
+    # --- the framework's half -------------------------------------------------------------------
+
+    @abstractmethod
+    def get_flat(self) -> np.ndarray:
+        """The model's trainable parameters, in model order, as one float32 vector (a copy)."""
+
+    @abstractmethod
+    def set_flat(self, flat: np.ndarray) -> None:
+        """Copy ``flat`` into the model's trainable parameters."""
+
+    @abstractmethod
+    def flat_gradient(self, batch: Any) -> tuple[np.ndarray, float, int]:
+        """One step's gradient on ``batch`` (K micro-batches, their mean), as one float32
+        vector; the step's mean loss and examples (its loss sum added to take_loss_sum)."""
+
+    @abstractmethod
+    def get_velocity(self) -> np.ndarray | None:
+        """Rank 0: the optimizer's momentum (restored, or zeros), flat; None without momentum."""
+
+    @abstractmethod
+    def set_velocity(self, flat: np.ndarray | None, steps: int, lr: float) -> None:
+        """Rank 0, before a checkpoint: the servers' momentum (None without) into the optimizer,
+        which also learns the schedule's position as the ring's would hold it (the optimizer
+        steps done, the last LR)."""
+
+    @abstractmethod
+    def buffer_values(self) -> np.ndarray:
+        """The model's non-trained floating-point state (BatchNorm's statistics), flat, float64
+        (empty without any)."""
+
+    @abstractmethod
+    def set_buffers(self, flat: np.ndarray) -> None:
+        """Copy ``flat`` (as :meth:`buffer_values` gave it) into that state."""
+
+    # --- roles --------------------------------------------------------------------------------
+
+    @property
+    def roles(self) -> ps.Roles:
+        return self._roles
+
+    @property
+    def serves(self) -> bool:
+        return self.roles.serves(self._rank)
+
+    @property
+    def shard_rank(self) -> int:
+        """A worker reads the shard of its index among the workers (a server reads none: 0)."""
+        return 0 if self.serves else self.roles.worker_index(self._rank)
+
+    @property
+    def shard_size(self) -> int:
+        """The data-parallel width is the number of workers: it sizes the shards, the steps per
+        epoch and the LR's scaling, as the world size does for the ring."""
+        return self.roles.workers
+
+    def strategy_note(self) -> str | None:
+        p, n = self.roles.servers, self.roles.workers
+        k = flags.staleness(self.args)
+        def span(a: int, b: int) -> str:
+            return f"rank {a}" if a == b else f"ranks {a}-{b}"
+
+        return (f"parameter servers: {span(0, p - 1)} serve{'s' if p == 1 else ''}, "
+                f"{span(p, p + n - 1)} work{'s' if n == 1 else ''}, --staleness "
+                f"{'inf' if k is None else k}")
+
+    def role_ranks(self, world: World) -> None:
+        """Call once the world and the identity are known, before the LR needs the shards."""
+        self._rank = world.rank
+        self._roles = ps.Roles(flags.ps_servers(self.args), world.size)
+        k = flags.staleness(self.args)
+        self.identity = dataclasses.replace(
+            self.identity, strategy="ps", extra={"servers": self._roles.servers,
+                                                 "workers": self._roles.workers,
+                                                 "staleness": "inf" if k is None else k})
+
+    # --- opening -------------------------------------------------------------------------------
+
+    def open_run(self, args: argparse.Namespace, hvd) -> None:
+        """The framework's preamble (the class after this one in the MRO: ``TorchRun``,
+        ``KerasRun``), with MPI initialised by mpi4py before it and Horovod (``hvd``, the
+        framework's module) shut down after it, once its start-up collectives are done; then
+        :meth:`open_servers`.  Horovod stays when it already ran in this process (an earlier ring
+        run in the tests' probe): it owns MPI then, and shutting it down would finalise MPI."""
+        running = hvd.is_initialized()
+        MPI = ps_mpi.start()
+        super().__init__(args)
+        if not running:
+            # Horovod: shut down once the run is open: the servers exchange nothing through it.
+            hvd.shutdown()
+        self.open_servers(MPI)
+
+    def open_servers(self, MPI) -> None:
+        """After Horovod: this run's own communicators (one for the engine's messages, one for
+        its collectives), its :class:`World` over mpi4py, and every rank holding rank 0's
+        weights, every server the momentum of its slice."""
+        self.link_comm = MPI.COMM_WORLD.Dup()
+        self.world_comm = self.all_comm = MPI.COMM_WORLD.Dup()
+        self.world = ps_mpi.world(self.world_comm)
+        self.link = ps_mpi.MpiLink(self.link_comm)
+        flat = self.get_flat()
+        self.world_comm.Bcast(flat, root=0)
+        watchdog.progress()  # a collective completed
+        self.set_flat(flat)
+        self.size = len(flat)
+        self.lost: list[int] = []
+        self.velocity0 = None
+        if self.serves:
+            self.velocity0 = self._share_velocity(MPI)
+
+    def _share_velocity(self, MPI) -> np.ndarray | None:
+        """Server 0's momentum (restored or zeros), one slice per server, point to point."""
+        if not self.args.momentum:
+            return None
+        bounds = ps.split(self.size, self.roles.servers)
+        if self._rank == 0:
+            v = self.get_velocity()
+            v = np.zeros(self.size, np.float32) if v is None else v
+            for s in range(1, self.roles.servers):
+                self.link_comm.Send([np.ascontiguousarray(v[bounds[s]:bounds[s + 1]]), MPI.FLOAT],
+                                    dest=s, tag=ps.TAG_PEER)
+            return v[bounds[0]:bounds[1]].copy()
+        mine = np.empty(bounds[self._rank + 1] - bounds[self._rank], np.float32)
+        self.link_comm.Recv([mine, MPI.FLOAT], source=0, tag=ps.TAG_PEER)
+        return mine
+
+    # --- the epochs -------------------------------------------------------------------------------
+
+    def config(self, fixed: FixedRun) -> ps.Config:
+        a = self.args
+        # The engine's own deadline is a backstop: the watchdog ends a stalled job first, at
+        # --stall-timeout, naming the silent rank from its heartbeats.
+        deadline = a.stall_timeout + 2 * watchdog.GRACE if a.stall_timeout > 0 else None
+        return ps.Config(self.roles, self.size, flags.staleness(a), a.momentum,
+                         self.momentum_rule, fixed.steps, fixed.lr, deadline=deadline)
+
+    def fit(self, fixed: FixedRun) -> None:
+        cfg = self.config(fixed)
+        self.cfg, self.fixed = cfg, fixed
+        self.epoch_marks: list[dict[str, Any]] = []
+        if self.serves:
+            self.server = ps.Server(cfg, self.link, self._rank, self.get_flat()[cfg.slice(self._rank)],
+                                    self.velocity0, silent=self._silent, on_dead=self._on_dead,
+                                    progress=lambda: watchdog.progress(step=True),
+                                    on_step=self._on_step)
+        else:
+            self.worker = ps.Worker(cfg, self.link, self.roles.worker_index(self._rank),
+                                    progress=lambda: watchdog.progress(step=True))
+        for epoch in fixed.epochs():
+            t0 = time.perf_counter()
+            self.images = 0
+            try:
+                dead = self._train_epoch(epoch)
+            except ps.PeerSilent as err:
+                watchdog.end_job(self._silent_line(err))
+            if dead != self.lost:
+                self._go_on_without(dead)
+            self._epoch_weights(epoch)
+            self._stop_if_diverged()
+            fixed.end_epoch(epoch, train_sums=[self.take_loss_sum(), self.images],
+                            seconds=time.perf_counter() - t0, lr=fixed.lr(epoch, fixed.steps - 1))
+            self._report_epoch(epoch)
+        self._report_run()
+
+    def _train_epoch(self, epoch: int) -> list[int]:
+        fixed = self.fixed
+        if self.serves:
+            self.server.serve_epoch(epoch)
+            return self.server.verdict()
+        own = iter(self.batches(fixed.index_batches(epoch)))
+
+        def fetch(owner: int, t: int) -> Any:
+            return next(iter(self.batches([fixed.index_batches(epoch, shard=owner)[t]])))
+
+        def gradient(batch: Any) -> tuple[np.ndarray, float]:
+            grad, loss, used = self.flat_gradient(batch)
+            self.images += used
+            return grad, loss
+
+        self.worker.work_epoch(epoch, own, fetch, self.set_flat, gradient)
+        return self.worker.verdict()
+
+    def _epoch_weights(self, epoch: int) -> None:
+        """Every rank: the servers' weights of the epoch's end into the model (server 0: their
+        momentum into the optimizer, for the checkpoint)."""
+        if not self.serves:
+            self.set_flat(self.worker.weights)
+            return
+        full = np.empty(self.size, np.float32)
+        velocity = np.empty(self.size, np.float32) if self._rank == 0 and self.args.momentum else None
+        try:
+            self.server.exchange(full, velocity)
+        except ps.PeerSilent as err:
+            watchdog.end_job(self._silent_line(err))
+        self.set_flat(full)
+        if self._rank == 0:
+            fixed = self.fixed
+            self.set_velocity(velocity, epoch * fixed.steps, fixed.lr(epoch, fixed.steps - 1))
+
+    def _stop_if_diverged(self) -> None:
+        """Every rank learns the first server whose weights stopped being finite, and all stop
+        with the ring's line (the workers' last losses name those that went first)."""
+        mine = list(self.server.diverged) if self.serves and self.server.diverged else None
+        found = [tuple(d) for d in self.world.gather(mine, "ps_divergence") if d]
+        if found:
+            epoch, step, _ = min(found)
+            loss = 0.0 if self.serves else self.worker.books.last_loss
+            self.fixed.stop_if((int(epoch), int(step), loss))
+
+    def sync_buffers(self) -> None:
+        """BatchNorm's statistics: the workers' average (a server's never trained: it adds 0)."""
+        mine = self.buffer_values()
+        if not mine.size:
+            return
+        total = np.asarray(self.world.sum((mine * (not self.serves)).tolist(), "ps_buffers"))
+        self.set_buffers(total / (self.roles.workers - len(self.lost)))
+
+    # --- dead workers -----------------------------------------------------------------------
+
+    def _silent(self) -> dict[int, float]:
+        """Ranks whose heartbeat has been silent for half the --stall-timeout (rank 0 hears them
+        all; the watchdog's own measure of a dead or frozen rank: a rank's watchdog thread beats
+        every second while it computes).  Half, so that this verdict, which names the worker and
+        says what the staleness makes of it, comes before the watchdog's own at the timeout."""
+        return watchdog.silent_ranks()
+
+    def _on_dead(self, rank: int, quiet: float) -> bool:
+        """A worker is dead or frozen: go on without it (True), or end the job with one line."""
+        who = f"worker {watchdog.describe_rank(rank)}"
+        k = flags.staleness(self.args)
+        if k is not None:
+            watchdog.end_job(f"{who} is dead, frozen or cut off (no heartbeat for {quiet:.0f} s); "
+                             f"with --staleness {k} the other workers may not run more than {k} "
+                             f"steps ahead of it, so the job ends (only --staleness inf trains on "
+                             f"without a worker, under mpirun --enable-recovery)")
+        if not ps_mpi.recovery_enabled():
+            watchdog.end_job(f"{who} is dead, frozen or cut off (no heartbeat for {quiet:.0f} s); "
+                             f"--staleness inf would train on without it, but Open MPI's mpirun "
+                             f"ends every rank once one dies unless it runs with --enable-recovery "
+                             f"(horovodrun --mpi-args=--enable-recovery), so the job ends now")
+        left = self.roles.workers - len(self.server.dead) - 1
+        print(f"warning: {who} is dead, frozen or cut off (no heartbeat for {quiet:.0f} s); "
+              f"--staleness inf trains on with {left} worker(s); the batch it was computing is "
+              f"lost, its other batches go to the others", flush=True)
+        return True
+
+    def _go_on_without(self, dead: list[int]) -> None:
+        """Every survivor: the run's collectives from now on over the ranks still alive."""
+        ranks = [self.roles.worker_rank(w) for w in dead]
+        self.world_comm = ps_mpi.without(self.all_comm, ranks)
+        self.world = ps_mpi.world(self.world_comm)
+        self.fixed.world = self.world
+        self.lost = list(dead)
+
+    def _silent_line(self, err: ps.PeerSilent) -> str:
+        what = str(err)
+        if what.startswith("server rank "):
+            rank = int(what.split()[-1])
+            return (f"server {watchdog.describe_rank(rank)} is dead, frozen or cut off: its part of "
+                    f"the parameters is gone, so the job ends")
+        return (f"{what} sent nothing for {self.cfg.deadline:.0f} s while rank {self._rank} waited "
+                f"for it (--stall-timeout {self.args.stall_timeout:g}): dead, frozen or cut off; "
+                f"the job ends")
+
+    # --- what the user sees ---------------------------------------------------------------------
+
+    def _on_step(self, epoch: int, updates: int, loss: float) -> None:
+        """Server 0's progress bar and per-step TensorBoard: a step is one update at K = 0, N
+        applied gradients (one round of the workers) above."""
+        fixed, per = self.fixed, 1 if self.cfg.staleness == 0 else self.roles.workers
+        this_epoch = updates - sum(self.server.books.epoch_updates)
+        if this_epoch % per == 0:
+            step = min(this_epoch // per, fixed.steps)
+            rows = self.args.batch_size * self.args.backward_passes_per_step
+            fixed.progress.step(epoch, step, fixed.steps, loss=loss, lr=fixed.lr(epoch, step - 1),
+                                consumed=step * rows * self.roles.workers)
+
+    def _books(self) -> dict[str, Any]:
+        if self.serves:
+            return {"server": self._rank, **self.server.books.record()}
+        return {"worker": self.roles.worker_index(self._rank), **self.worker.books.record()}
+
+    def _report_epoch(self, epoch: int) -> None:
+        """Rank 0's TensorBoard: the epoch's staleness histogram and the servers' and workers'
+        rates (one allgather of every rank's counters)."""
+        books = self.world.gather(self._books(), "ps_books")
+        self.books = books
+        board = self.fixed.progress.board
+        if board is None or self.world.rank != 0:
+            return
+        mark = summary_record(books, self.cfg, self.fixed.steps, self.lost)
+        prev = self.epoch_marks[-1] if self.epoch_marks else None
+        self.epoch_marks.append(mark)
+        counts = Counter({int(k): v for k, v in mark["staleness_histogram"].items()})
+        if prev:
+            counts.subtract({int(k): v for k, v in prev["staleness_histogram"].items()})
+        board.histogram(epoch, "ps/staleness", {k: v for k, v in counts.items() if v > 0})
+        server0 = [b for b in books if b.get("server") == 0][0]
+        waits = [b["wait_seconds"] for b in books if "worker" in b]
+        spent = [b["seconds"] for b in books if "worker" in b]
+        b_in, b_out = server0["epoch_bytes"][-1]
+        board.scalars(epoch, {"ps/updates_per_second": server0["epoch_updates"][-1]
+                              / max(server0["epoch_seconds"][-1], 1e-9),
+                              "ps/server_bytes_in_per_step": b_in / self.fixed.steps,
+                              "ps/server_bytes_out_per_step": b_out / self.fixed.steps,
+                              "ps/worker_wait_fraction": sum(waits) / max(sum(spent), 1e-9)})
+        board.flush()
+
+    def _report_run(self) -> None:
+        """The summary's ``ps`` record on every rank (rank 0 writes it) and rank 0's lines."""
+        record = summary_record(self.books, self.cfg, self.fixed.steps, self.lost)
+        self.fixed.summary.ps = record
+        for line in report_lines(record):
+            self.fixed.progress.info(line)
+
+
+def summary_record(books: list[dict[str, Any]], cfg: ps.Config, steps: int,
+                   lost: list[int]) -> dict[str, Any]:
+    """The ``ps`` record of the summary from every rank's counters (``books``: servers' and
+    workers' :meth:`record`, as gathered)."""
+    servers = sorted((b for b in books if "server" in b), key=lambda b: b["server"])
+    workers = sorted((b for b in books if "worker" in b), key=lambda b: b["worker"])
+    pushed = {b["worker"]: b["pushed"] for b in workers}
+    n_steps = steps * max(len(servers[0]["epoch_seconds"]), 1)
+    exact = all(s["applied"][w] == s["received"][w] == pushed[w]
+                for s in servers for w in pushed)
+    k = cfg.staleness
+    return {
+        "servers": cfg.roles.servers, "workers": cfg.roles.workers,
+        "staleness": "inf" if k is None else k, "momentum_rule": cfg.rule,
+        "slice_values": [cfg.length(s) for s in range(cfg.roles.servers)],
+        "gradients_pushed": sum(pushed.values()),
+        "gradients_applied": [sum(s["applied"]) for s in servers],
+        "exactly_once": exact,
+        "pushed": [pushed.get(w) for w in range(cfg.roles.workers)],
+        "applied": [s["applied"] for s in servers],
+        "received": [s["received"] for s in servers],
+        "staleness_histogram": servers[0]["staleness"],
+        "staleness_histograms": [s["staleness"] for s in servers],
+        "updates_per_second": [s["updates"] / s["seconds"] if s["seconds"] else 0.0
+                               for s in servers],
+        "bytes_in_per_step": [s["bytes_in"] / n_steps for s in servers],
+        "bytes_out_per_step": [s["bytes_out"] / n_steps for s in servers],
+        "batches_handed_over": servers[0]["stolen"],
+        "worker_wait_seconds": [b["wait_seconds"] for b in workers],
+        "worker_seconds": [b["seconds"] for b in workers],
+        "worker_batches": [[b["own"], b["taken"]] for b in workers],
+        "lost_workers": [cfg.roles.worker_rank(w) for w in lost],
+    }
+
+
+def report_lines(record: dict[str, Any]) -> list[str]:
+    """Rank 0's closing lines: the staleness histogram, the counters, the rates."""
+    r = record
+    waits = r["worker_wait_seconds"]
+    spent = r["worker_seconds"]
+    applied = r["gradients_applied"]
+    once = ("every pushed gradient applied exactly once" if r["exactly_once"]
+            else "COUNTERS DISAGREE: " + f"pushed {r['pushed']}, applied {r['applied']}")
+    lines = [
+        f"ps: {r['servers']} server(s), {r['workers']} worker(s), --staleness {r['staleness']}: "
+        f"{r['gradients_pushed']} gradients pushed, {applied[0]} applied by each server "
+        f"({once}); {r['batches_handed_over']} batches handed to another worker",
+        f"ps: staleness (server updates behind, per applied gradient): "
+        f"{ps.histogram_line(r['staleness_histogram'])}",
+        f"ps: servers {', '.join(f'{u:.0f}' for u in r['updates_per_second'])} updates/s; "
+        f"bytes per step in {', '.join(f'{b / 1e6:.2f}' for b in r['bytes_in_per_step'])} MB, "
+        f"out {', '.join(f'{b / 1e6:.2f}' for b in r['bytes_out_per_step'])} MB; workers waited "
+        f"{sum(waits) / len(waits):.1f} s of {sum(spent) / len(spent):.1f} s each (mean)",
+    ]
+    if r["lost_workers"]:
+        lines.append(f"ps: lost worker rank(s) {', '.join(map(str, r['lost_workers']))}")
+    return lines
+

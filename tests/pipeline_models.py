@@ -1,0 +1,90 @@
+"""Models for the pipeline tests, as ``--model pipeline_models:NAME`` names them (tests/ on the
+path): the built-in CNN's layers in float64 (the equivalence tests compare a pipeline with one
+process to float64 rounding), and models a pipeline cannot split or splits by the builder's own
+list."""
+
+from __future__ import annotations
+
+
+def torch_cnn64(input_shape, num_classes):
+    """The built-in CNN, its layers as an ``nn.Sequential`` in float64 behind a cast."""
+    import torch
+    from torch import nn
+
+    from torch_models.model import MnistCNN
+
+    class ToFloat64(nn.Module):
+        def forward(self, x):
+            return x.to(torch.float64)
+
+    layers = MnistCNN(0.0, tuple(input_shape), num_classes).layers()
+    return nn.Sequential(ToFloat64(), *layers).double()
+
+
+def tf_cnn64(input_shape, num_classes):
+    """The built-in CNN's layers in float64 (Keras casts the float32 input)."""
+    import keras
+
+    from tf_models.model import build_cnn
+
+    model = build_cnn(0.0, "float64", tuple(input_shape), num_classes)
+    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    twin = {"Conv2D": keras.layers.Conv2D, "MaxPooling2D": keras.layers.MaxPooling2D,
+            "Flatten": keras.layers.Flatten, "Dense": keras.layers.Dense,
+            "Dropout": keras.layers.Dropout}
+    chain = [keras.Input(tuple(input_shape))]
+    for layer in layers:  # the same layers, every one in float64 (build_cnn keeps fc2 float32)
+        config = {**layer.get_config(), "dtype": "float64"}
+        chain.append(twin[type(layer).__name__].from_config(config))
+    out = keras.Sequential(chain)
+    for mine, theirs in zip(out.layers, layers, strict=True):
+        mine.set_weights([w.astype("float64") for w in theirs.get_weights()])
+    return out
+
+
+def torch_unsplittable(input_shape, num_classes):
+    """A module whose forward is its own code: nothing says where it could be cut."""
+    import math
+
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(math.prod(input_shape), 16)
+            self.b = nn.Linear(16, num_classes)
+
+        def forward(self, x):
+            return self.b(self.a(x.flatten(1)).relu())
+
+    return Net()
+
+
+def torch_stages(input_shape, num_classes):
+    """A builder's own split: a list of two stage modules."""
+    import math
+
+    from torch import nn
+
+    return [nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 32), nn.ReLU()),
+            nn.Sequential(nn.Linear(32, num_classes))]
+
+
+def tf_residual(input_shape, num_classes):
+    """A functional model with a skip connection: not a chain."""
+    import keras
+
+    inputs = keras.Input(tuple(input_shape))
+    x = keras.layers.Flatten()(inputs)
+    h = keras.layers.Dense(32, activation="relu")(x)
+    h = keras.layers.Add()([h, keras.layers.Dense(32)(h)])
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(h))
+
+
+def tf_stages(input_shape, num_classes):
+    """A builder's own split: a list of two stage models."""
+    import keras
+
+    first = keras.Sequential([keras.Input(tuple(input_shape)), keras.layers.Flatten(),
+                              keras.layers.Dense(32, activation="relu")])
+    return [first, keras.Sequential([keras.Input((32,)), keras.layers.Dense(num_classes)])]

@@ -1,0 +1,361 @@
+"""The pipeline's framework-free parts, without processes or frameworks (milliseconds): where
+ranks sit, how a chain of layers splits, the two schedules and their bubble, and one step of S
+stages as threads (a NumPy MLP over an in-process wire) equal to one process's full-batch
+gradient, in float64.  The multi-process runs are in tests/test_pipeline.py."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+
+import numpy as np
+import pytest
+
+from ringtrain.errors import UserError
+from ringtrain.pipeline.engine import Boundary, EvalRelay, run_step
+from ringtrain.pipeline.partition import balanced_split
+from ringtrain.pipeline.placement import Placement, check_world
+from ringtrain.pipeline.run import micro_rows
+from ringtrain.pipeline.schedule import (
+    BACKWARD,
+    FORWARD,
+    bubble_formula,
+    in_flight,
+    simulate,
+    stage_ops,
+)
+
+# --- placement ---------------------------------------------------------------------------------
+
+
+def test_ranks_of_a_replica_are_contiguous_and_a_stage_set_holds_one_rank_per_replica():
+    places = [Placement(3, 6, r) for r in range(6)]
+    assert [(p.stage, p.replica) for p in places] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert places[4].stage_ranks(1) == [1, 4] and places[4].stage_root == 1
+    assert (places[3].previous, places[3].next) == (None, 4)
+    assert (places[5].previous, places[5].next) == (4, None)
+    sets = [places[0].stage_ranks(s) for s in range(3)]
+    assert sorted(itertools.chain(*sets)) == list(range(6)), "the sets partition the world"
+
+
+def test_stages_must_divide_the_world():
+    check_world(2, 4)
+    check_world(1, 3)
+    with pytest.raises(UserError, match="--pipeline-stages 2 must divide the number of processes, not 3"):
+        check_world(2, 3)
+
+
+# --- the split ---------------------------------------------------------------------------------
+
+# The built-in CNN's layers: conv1 relu pool conv2 relu pool flatten fc1 relu dropout fc2.
+CNN_PARAMS = [832, 0, 0, 51264, 0, 0, 0, 131200, 0, 0, 1290]
+CNN_CUTS = [18432, 18432, 4608, 4096, 4096, 1024, 1024, 128, 128, 128, 10]
+
+
+def test_the_cnn_splits_before_its_large_dense_layer_at_the_smallest_cut():
+    # fc1 alone holds 131,200 of 184,586 weights, so stage 1 starts at or before it; of the
+    # cuts that keep it there, after the second pool and after flatten carry 1024 values (the
+    # earliest wins), after conv2 4096.
+    assert balanced_split(CNN_PARAMS, CNN_CUTS, 2, "cnn") == [range(0, 6), range(6, 11)]
+    four = balanced_split(CNN_PARAMS, CNN_CUTS, 4, "cnn")
+    assert [sum(CNN_PARAMS[i] for i in r) for r in four] == [832, 51264, 131200, 1290]
+
+
+def brute_force_max(params, stages):
+    n, best = len(params), None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = [0, *cuts, n]
+        parts = [params[a:b] for a, b in itertools.pairwise(bounds)]
+        if all(any(p > 0 for p in part) for part in parts):
+            worst = max(sum(part) for part in parts)
+            best = worst if best is None else min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_split_minimises_the_largest_stage_and_gives_every_stage_weights(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 9))
+    params = [int(p) if rng.random() < 0.7 else 0 for p in rng.integers(1, 100, n)]
+    if sum(p > 0 for p in params) < 2:
+        params[0] = params[-1] = 5
+    cuts = [int(c) for c in rng.integers(1, 50, n)]
+    for stages in range(2, sum(p > 0 for p in params) + 1):
+        ranges = balanced_split(params, cuts, stages, "m")
+        assert [i for r in ranges for i in r] == list(range(n)), "contiguous, covering, in order"
+        assert all(any(params[i] for i in r) for r in ranges)
+        assert max(sum(params[i] for i in r) for r in ranges) == brute_force_max(params, stages)
+
+
+def test_more_stages_than_layers_with_weights_is_one_line():
+    with pytest.raises(UserError, match="--pipeline-stages 5 is more than the 4 layers with weights "
+                                        "of --model cnn"):
+        balanced_split(CNN_PARAMS, CNN_CUTS, 5, "--model cnn")
+
+
+# --- the schedules -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,micro", [(1, 1), (2, 1), (2, 4), (3, 2), (4, 8)])
+def test_every_micro_batch_runs_forward_then_backward_once(schedule, stages, micro):
+    for s in range(stages):
+        ops = stage_ops(schedule, stages, s, micro)
+        assert sorted(ops) == sorted([(FORWARD, m) for m in range(micro)]
+                                     + [(BACKWARD, m) for m in range(micro)])
+        assert [m for k, m in ops if k == FORWARD] == list(range(micro))
+        for m in range(micro):
+            assert ops.index((FORWARD, m)) < ops.index((BACKWARD, m))
+
+
+def test_the_orders_are_gpipe_and_1f1b():
+    assert stage_ops("gpipe", 2, 0, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0)]
+    # Stage 0 of 3 warms up with S - 1 = 2 forwards, the last stage alternates from the start.
+    assert stage_ops("1f1b", 3, 0, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3),
+                                          ("B", 1), ("B", 2), ("B", 3)]
+    assert stage_ops("1f1b", 3, 2, 4) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2),
+                                          ("B", 2), ("F", 3), ("B", 3)]
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 8), (4, 8), (4, 2)])
+def test_1f1b_holds_at_most_s_minus_stage_micro_batches_gpipe_all(stages, micro):
+    for s in range(stages):
+        assert in_flight(stage_ops("gpipe", stages, s, micro)) == micro
+        assert in_flight(stage_ops("1f1b", stages, s, micro)) == min(stages - s, micro)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("micro", [1, 2, 4, 8])
+@pytest.mark.parametrize("backward", [1.0, 2.0])
+def test_the_bubble_of_a_balanced_pipeline_is_s_minus_1_over_m_plus_s_minus_1(schedule, stages, micro,
+                                                                              backward):
+    timeline = simulate(schedule, stages, micro, forward=1.0, backward=backward)
+    assert timeline.makespan == pytest.approx((micro + stages - 1) * (1.0 + backward))
+    assert timeline.bubble() == pytest.approx(bubble_formula(stages, micro))
+
+
+def test_an_unbalanced_pipeline_idles_more_than_the_formula():
+    # One stage twice as slow as the other (the CNN split by parameters is like that): the
+    # formula is the floor a balanced split reaches, not what this one gets.
+    for schedule in ("gpipe", "1f1b"):
+        slow = simulate(schedule, 2, 4, forward=[2.0, 1.0], backward=[4.0, 2.0])
+        assert slow.bubble() > bubble_formula(2, 4) + 0.05  # 0.33 (gpipe), 0.28 (1f1b) vs 0.2
+
+
+def test_micro_batches_of_a_short_step():
+    assert micro_rows(32, 8) == [8, 8, 8, 8]
+    assert micro_rows(20, 8) == [8, 8, 4]
+
+
+# --- one step of S stages as threads, against one process ---------------------------------------
+
+class Wire:
+    """In-process point-to-point messages between ranks that are threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.boxes: dict[tuple[int, int, int], queue.Queue] = {}
+
+    def box(self, src: int, dst: int, tag: int) -> queue.Queue:
+        with self.lock:
+            return self.boxes.setdefault((src, dst, tag), queue.Queue())
+
+
+class FakeLink:
+    """:class:`ringtrain.pipeline.transport.Link`'s point-to-point half over a :class:`Wire`; it
+    records the most receives posted and not yet taken."""
+
+    def __init__(self, wire: Wire, rank: int) -> None:
+        self.wire, self.rank = wire, rank
+        self.open = self.most_open = 0
+
+    def post(self, shape, dtype, source, tag, what):
+        self.open += 1
+        self.most_open = max(self.most_open, self.open)
+        return shape, np.dtype(dtype), source, tag
+
+    def wait(self, incoming):
+        shape, dtype, source, tag = incoming
+        array = self.wire.box(source, self.rank, tag).get(timeout=10)
+        assert array.shape == shape and array.dtype == dtype
+        self.open -= 1
+        return array
+
+    def send(self, array, dest, tag):
+        self.wire.box(self.rank, dest, tag).put(np.array(array))
+
+    def finish_sends(self, what):
+        pass
+
+
+def mlp_weights(sizes, rng):
+    return [(rng.standard_normal((a, b)) / np.sqrt(a), rng.standard_normal(b) * 0.1)
+            for a, b in itertools.pairwise(sizes)]
+
+
+def forward_layers(layers, x, last):
+    """tanh MLP; the model's final layer returns logits.  Returns the output and the cache."""
+    cache, h = [], x
+    for i, (w, b) in enumerate(layers):
+        z = h @ w + b
+        cache.append((h, z))
+        h = z if last and i == len(layers) - 1 else np.tanh(z)
+    return h, cache
+
+
+def backward_layers(layers, cache, grad, last, grads):
+    for i in reversed(range(len(layers))):
+        w, _ = layers[i]
+        h, z = cache[i]
+        if not (last and i == len(layers) - 1):
+            grad = grad * (1 - np.tanh(z) ** 2)
+        grads[i][0] += h.T @ grad
+        grads[i][1] += grad.sum(0)
+        grad = grad @ w.T
+    return grad
+
+
+def softmax_grad(logits, y, total_rows):
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    loss = -np.log(p[np.arange(len(y)), y]).sum()
+    p[np.arange(len(y)), y] -= 1
+    return loss, p / total_rows
+
+
+class NumpyStage:
+    """A stage of the MLP as :class:`ringtrain.pipeline.engine.StageWork`."""
+
+    def __init__(self, layers, first, last, x, y, rows):
+        self.layers, self.first, self.last = layers, first, last
+        self.grads = [[np.zeros_like(w), np.zeros_like(b)] for w, b in layers]
+        bounds = np.cumsum([0, *rows])
+        self.x = [x[a:b] for a, b in itertools.pairwise(bounds)]
+        self.y = [y[a:b] for a, b in itertools.pairwise(bounds)]
+        self.total, self.cache, self.loss, self.log = int(bounds[-1]), {}, 0.0, []
+
+    def forward(self, m, x):
+        self.log.append((FORWARD, m))
+        out, cache = forward_layers(self.layers, self.x[m] if self.first else x, self.last)
+        self.cache[m] = (cache, out)
+        return None if self.last else out
+
+    def backward(self, m, grad):
+        self.log.append((BACKWARD, m))
+        cache, out = self.cache.pop(m)
+        if self.last:
+            loss, grad = softmax_grad(out, self.y[m], self.total)
+            self.loss += loss
+        back = backward_layers(self.layers, cache, grad, self.last, self.grads)
+        return None if self.first else back
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("rows", [[4], [4, 4], [4, 4, 4, 4], [4, 4, 2], [1] * 10])
+def test_s_stages_as_threads_give_one_process_full_batch_gradient(schedule, rows):
+    rng = np.random.default_rng(7)
+    sizes = [5, 8, 7, 6, 4]  # three stages: layers [0], [1, 2], [3]
+    layers = mlp_weights(sizes, rng)
+    split = [layers[:1], layers[1:3], layers[3:]]
+    x = rng.standard_normal((sum(rows), sizes[0]))
+    y = rng.integers(0, sizes[-1], sum(rows))
+    cuts = [Boundary((sizes[1],), np.float64), Boundary((sizes[3],), np.float64)]
+    wire, stages = Wire(), len(split)
+    works = [NumpyStage(split[s], s == 0, s == stages - 1, x, y, rows) for s in range(stages)]
+    links = [FakeLink(wire, s) for s in range(stages)]
+    errors = []
+
+    def stage(s):
+        try:
+            place = Placement(stages, stages, s)
+            run_step(place, links[s], works[s], stage_ops(schedule, stages, s, len(rows)), rows,
+                     cuts[s - 1] if s else None, cuts[s] if s < stages - 1 else None)
+        except Exception as err:  # noqa: BLE001 - the test thread reports it
+            errors.append(err)
+
+    threads = [threading.Thread(target=stage, args=(s,)) for s in range(stages)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    for s in range(stages):
+        assert works[s].log == stage_ops(schedule, stages, s, len(rows)), "ran its schedule in order"
+        # S + 1 ahead for each of activations and gradients; posting all would be 2M.
+        assert links[s].most_open <= 2 * (stages + 1), "receives are posted a window ahead"
+    # One process, the whole batch at once, mean loss over the rows.
+    grads = [[np.zeros_like(w), np.zeros_like(b)] for w, b in layers]
+    logits, cache = forward_layers(layers, x, True)
+    loss, grad = softmax_grad(logits, y, len(y))
+    backward_layers(layers, cache, grad, True, grads)
+    got = [g for work in works for g in work.grads]
+    for (gw, gb), (ww, wb) in zip(got, grads, strict=True):
+        np.testing.assert_allclose(gw, ww, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(gb, wb, rtol=1e-12, atol=1e-14)
+    assert works[-1].loss == pytest.approx(loss, rel=1e-12)
+
+
+def test_evaluation_relays_batches_through_the_stages():
+    wire, stages = Wire(), 3
+    cut = Boundary((2,), np.float64)
+    links = [FakeLink(wire, s) for s in range(stages)]
+    relays = [EvalRelay(Placement(stages, stages, s), links[s], cut if s else None,
+                        cut if s < stages - 1 else None) for s in range(stages)]
+    batches = [np.full((n, 2), float(n)) for n in (3, 1, 2)]
+    results: dict[int, list] = {s: [] for s in range(stages)}
+
+    def stage(s):
+        for b in batches:  # every stage walks the same batches; only stage 0 reads them
+            results[s].append(relays[s](lambda v: np.asarray(v) + 1, b if s == 0 else None, len(b),
+                                        np.asarray))
+        relays[s].finish()
+
+    threads = [threading.Thread(target=stage, args=(s,)) for s in range(stages)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert results[0] == [None] * 3 and results[1] == [None] * 3
+    for out, b in zip(results[2], batches, strict=True):
+        np.testing.assert_array_equal(out, b + 3)  # one +1 per stage
+
+
+# --- resume: every stage from the same epoch ---------------------------------------------------
+
+def resume_on_ranks(newest: dict[int, int], resume: bool = True):
+    """S = 2 x R = 2 as threads over the fake bus (tests/fake_run.py); stage s's writer has
+    intact files up to epoch ``newest[s]`` (0: none).  Returns each rank's epoch and its loads."""
+    from fake_run import Bus, args, fake_world, run_ranks
+
+    from ringtrain.pipeline.run import resume_epoch
+
+    bus = Bus(4)
+
+    def work(rank):
+        place = Placement(2, 4, rank)
+        loads = []
+
+        def find(at_most):
+            best = newest[place.stage] if at_most is None else min(newest[place.stage], at_most)
+            return (best, f"stage{place.stage}@{best}") if best else None
+
+        epoch = resume_epoch(fake_world(bus, rank), place, args(resume=resume, checkpoint_dir="ck"),
+                             find, loads.append)
+        return epoch, loads
+
+    return run_ranks(4, work)
+
+
+def test_every_stage_resumes_from_the_oldest_newest_checkpoint(capsys):
+    got = resume_on_ranks({0: 3, 1: 2})
+    assert [epoch for epoch, _ in got] == [2, 2, 2, 2]
+    # only the stages' first replicas (ranks 0 and 1) read files, each its own stage's of epoch 2
+    assert [loads for _, loads in got] == [["stage0@2"], ["stage1@2"], [], []]
+    assert "newest intact checkpoints are of epochs [3, 2]" in capsys.readouterr().err
+
+
+def test_a_stage_without_checkpoints_starts_every_stage_afresh():
+    got = resume_on_ranks({0: 2, 1: 0})
+    assert [epoch for epoch, _ in got] == [0] * 4 and all(loads == [] for _, loads in got)
+    assert [epoch for epoch, _ in resume_on_ranks({0: 2, 1: 2}, resume=False)] == [0] * 4

@@ -1,0 +1,455 @@
+"""The parameter servers' engine (``ringtrain/training/ps.py``) on a fake transport: servers and
+workers as threads of one process exchanging numpy arrays through in-process queues, a model in
+NumPy.  No MPI, no framework: the whole file runs in seconds.
+
+What is proven here for the engine, the multi-process tests prove for the real trainers
+(tests/test_correctness.py, the ``ps`` group): staleness 0 is the ring's math (the mean gradient
+of each step, one momentum update, summed in worker order) exactly; one worker at any staleness is
+single-process SGD exactly; every pushed gradient is applied exactly once, also at staleness inf
+with 3 workers in any interleaving (the final weights are the order-free sum of every update);
+a server answers a pull only once the slowest worker is within K steps; the epoch's tail goes to
+whoever is free, each batch trained once; a dead worker is gone on without (inf) or ends the job.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from fake_run import Problem, loss_and_grad
+
+from ringtrain.training import ps
+
+TIMEOUT = 30.0
+
+
+# --- the fake transport ---------------------------------------------------------------------------
+
+class Request:
+    def __init__(self, peer: int, tag: int, buf: np.ndarray | None) -> None:
+        self.peer, self.tag, self.buf = peer, tag, buf
+        self.count: int | None = None if buf is not None else 0  # a send completes at once
+        self.taken = False
+
+
+class Net:
+    """Every rank's mailboxes: one FIFO per (source, destination, tag), as MPI orders them."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.queues: dict[tuple[int, int, int], deque] = defaultdict(deque)
+
+    def link(self, rank: int) -> FakeLink:
+        return FakeLink(self, rank)
+
+
+class FakeLink:
+    """:class:`ringtrain.training.ps.Link` in one process: a send copies its buffer into the
+    destination's queue; a receive takes the oldest message of its (source, tag) when waited on."""
+
+    def __init__(self, net: Net, rank: int) -> None:
+        self.net, self.rank = net, rank
+
+    def isend(self, dest: int, tag: int, buf: np.ndarray) -> Request:
+        with self.net.cond:
+            self.net.queues[(self.rank, dest, tag)].append(np.array(buf, copy=True))
+            self.net.cond.notify_all()
+        return Request(dest, tag, None)
+
+    def irecv(self, source: int, tag: int, buf: np.ndarray) -> Request:
+        return Request(source, tag, buf)
+
+    def _poll(self, req: Request) -> bool:
+        if req.count is None:
+            queue = self.net.queues[(req.peer, self.rank, req.tag)]
+            if queue:
+                msg = queue.popleft()
+                assert len(msg) <= len(req.buf), "a message longer than its receive buffer"
+                req.buf[:len(msg)] = msg
+                req.count = len(msg)
+        return req.count is not None
+
+    def wait_any(self, requests, timeout: float):
+        deadline = time.monotonic() + timeout
+        with self.net.cond:
+            while True:
+                for i, req in enumerate(requests):
+                    if req is not None and not req.taken and self._poll(req):
+                        req.taken = True
+                        return i, req.count
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.net.cond.wait(left)
+
+    def wait(self, request, timeout: float):
+        got = self.wait_any([request], timeout)
+        return None if got is None else got[1]
+
+
+# --- a job of threads ------------------------------------------------------------------------------
+
+def batch_key(epoch: int, owner: int, t: int) -> tuple[int, int, int]:
+    return epoch, owner, t
+
+
+class Job:
+    """P servers and N workers as threads running ``epochs`` epochs of ``steps`` batches per
+    worker; a batch is its key (epoch, owner, t) and ``grad(weights, key)`` its gradient."""
+
+    def __init__(self, servers: int, workers: int, staleness: int | None, *, size: int,
+                 steps: int, epochs: int = 1, momentum: float = 0.0, rule: str = "torch",
+                 lr: Callable[[int, int], float] = lambda epoch, t: 0.1,
+                 grad: Callable[[np.ndarray, tuple], np.ndarray] | None = None,
+                 w0: np.ndarray | None = None, delay: Callable[[int], None] = lambda w: None,
+                 silent: Callable[[], dict[int, float]] = dict,
+                 on_dead: Callable[[int, float], bool] = lambda rank, quiet: False,
+                 dies: dict[int, int] | None = None, deadline: float = TIMEOUT) -> None:
+        self.roles = ps.Roles(servers, servers + workers)
+        self.cfg = ps.Config(self.roles, size, staleness, momentum, rule, steps, lr,
+                             deadline=deadline, tick=0.02)
+        self.net = Net()
+        self.epochs, self.grad, self.delay = epochs, grad, delay
+        self.w0 = np.zeros(size, np.float32) if w0 is None else w0.astype(np.float32)
+        self.servers = [ps.Server(self.cfg, self.net.link(s), s, self.w0[self.cfg.slice(s)],
+                                  silent=silent, on_dead=on_dead) for s in range(servers)]
+        self.workers = [ps.Worker(self.cfg, self.net.link(self.roles.worker_rank(w)), w)
+                        for w in range(workers)]
+        self.trained: list[tuple] = []  # every batch a gradient was computed on
+        self.lock = threading.Lock()
+        self.dies = dies or {}  # worker -> its gradients before it dies (stops, silently)
+        self.gone = {w: threading.Event() for w in range(workers)}
+        self.verdicts: dict[int, list[int]] = {}
+        self.full: dict[int, np.ndarray] = {}
+        self.errors: dict[int, BaseException] = {}
+
+    def _serve(self, s: int) -> None:
+        server = self.servers[s]
+        for epoch in range(1, self.epochs + 1):
+            server.serve_epoch(epoch)
+            self.verdicts[s] = server.verdict()
+            full = np.empty(self.cfg.size, np.float32)
+            server.exchange(full, None)
+            self.full[s] = full
+
+    def _work(self, w: int) -> None:
+        worker, rank = self.workers[w], self.roles.worker_rank(w)
+
+        class Died(Exception):
+            pass
+
+        def gradient(key: tuple) -> tuple[np.ndarray, float]:
+            if w in self.dies and worker.books.pushed >= self.dies[w]:
+                raise Died
+            self.delay(w)
+            with self.lock:
+                self.trained.append(key)
+            return self.grad(self.weights, key).astype(np.float32), 0.5
+
+        try:
+            for epoch in range(1, self.epochs + 1):
+                own = (batch_key(epoch, w, t) for t in range(self.cfg.steps))
+                worker.work_epoch(epoch, own, lambda o, t, e=epoch: batch_key(e, o, t),
+                                  lambda weights: setattr(self, "weights", weights.copy()),
+                                  gradient)
+                self.verdicts[rank] = worker.verdict()
+                self.full[rank] = worker.weights.copy()
+        except Died:
+            self.gone[w].set()
+
+    def run(self) -> Job:
+        threads = {}
+        for s in range(self.roles.servers):
+            threads[s] = threading.Thread(target=self._guard, args=(s, self._serve, s), daemon=True)
+        for w in range(self.roles.workers):
+            rank = self.roles.worker_rank(w)
+            threads[rank] = threading.Thread(target=self._guard, args=(rank, self._work, w), daemon=True)
+        for t in threads.values():
+            t.start()
+        for t in threads.values():
+            t.join(TIMEOUT * 2)
+        assert not any(t.is_alive() for t in threads.values()), "a rank is still running: it hangs"
+        return self
+
+    def _guard(self, rank: int, fn, arg) -> None:
+        try:
+            fn(arg)
+        except BaseException as err:  # handed to the test
+            self.errors[rank] = err
+
+    def check(self) -> Job:
+        if self.errors:
+            raise next(iter(self.errors.values()))
+        return self
+
+
+def softmax_grad(problem: Problem, rows: int, workers: int):
+    """The gradient of softmax regression (tests/fake_run.py) on batch t of a worker's strided
+    shard, in float32 weights (the flat vector is the [features + 1, classes] matrix)."""
+    shape = (problem.features + 1, problem.classes)
+
+    def grad(weights: np.ndarray, key: tuple) -> np.ndarray:
+        epoch, owner, t = key
+        idx = np.arange(owner, len(problem.train_y), workers)[t * rows:(t + 1) * rows]
+        _, g = loss_and_grad(weights.reshape(shape).astype(np.float64), problem.train_x[idx],
+                             problem.train_y[idx])
+        return g.reshape(-1).astype(np.float32)
+
+    return grad
+
+
+# --- the math ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rule", ["torch", "keras"])
+@pytest.mark.parametrize("servers", [1, 2])
+def test_staleness_0_is_the_rings_math(rule, servers):
+    """K = 0, 3 workers: each step's gradients averaged in worker order, one momentum update at
+    the step's LR: bit for bit what one process computes from the same mean gradients (the
+    ring's definition), whatever the slicing over servers."""
+    problem, workers, rows, steps = Problem(n_train=96), 3, 4, 8
+    grad = softmax_grad(problem, rows, workers)
+    lr = lambda epoch, t: 0.05 + 0.01 * t  # noqa: E731  (a schedule: the update must use step t's)
+    size = (problem.features + 1) * problem.classes
+    w0 = np.random.default_rng(1).normal(0, 0.1, size).astype(np.float32)
+    job = Job(servers, workers, 0, size=size, steps=steps, epochs=2, momentum=0.9, rule=rule,
+              lr=lr, grad=grad, w0=w0).run().check()
+    want = w0.copy()
+    opt = ps.SliceSGD(want, 0.9, rule)
+    for epoch in (1, 2):
+        for t in range(steps):
+            grads = [grad(want, (epoch, w, t)) for w in range(workers)]
+            mean = grads[0].copy()
+            for g in grads[1:]:
+                mean += g
+            mean /= np.float32(workers)
+            opt.apply(mean, lr(epoch, t))
+    for full in job.full.values():
+        assert np.array_equal(full, want)  # every rank ends with the servers' weights
+    assert not np.allclose(want, w0)
+    histogram = job.servers[0].books.staleness
+    assert set(histogram) == {0} and histogram[0] == 2 * steps * workers
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 4, None])
+def test_one_worker_at_any_staleness_is_single_process_sgd(staleness):
+    problem, rows, steps = Problem(n_train=64), 8, 8
+    grad = softmax_grad(problem, rows, 1)
+    size = (problem.features + 1) * problem.classes
+    w0 = np.random.default_rng(2).normal(0, 0.1, size).astype(np.float32)
+    job = Job(2, 1, staleness, size=size, steps=steps, epochs=2, momentum=0.9, grad=grad,
+              w0=w0).run().check()
+    want = w0.copy()
+    opt = ps.SliceSGD(want, 0.9, "torch")
+    for epoch in (1, 2):
+        for t in range(steps):
+            opt.apply(grad(want, (epoch, 0, t)), 0.1)
+    assert np.array_equal(job.full[2], want)
+    assert set(job.servers[0].books.staleness) == {0}  # nobody else moves the weights
+
+
+def test_every_gradient_is_applied_exactly_once_at_staleness_inf():
+    """3 workers, random delays, staleness inf: the counters agree (pushed = received = applied
+    at every server), every batch of every epoch was trained once, and the weights are exactly
+    w0 - LR/N x the sum of all gradients (gradients independent of the weights, momentum 0,
+    LR/N = 1/16 and integer gradients: every update exact in float32, so any lost or repeated
+    one would show)."""
+    workers, steps, epochs, size = 3, 12, 2, 10
+    rng = random.Random(0)
+
+    def grad(weights: np.ndarray, key: tuple) -> np.ndarray:
+        epoch, owner, t = key
+        return np.arange(size, dtype=np.float32) % 7 + 100 * epoch + 10 * owner + t
+
+    job = Job(2, workers, None, size=size, steps=steps, epochs=epochs, lr=lambda e, t: 3 / 16,
+              grad=grad, delay=lambda w: time.sleep(rng.random() * 0.003)).run().check()
+    everything = [(e, o, t) for e in range(1, epochs + 1) for o in range(workers) for t in range(steps)]
+    assert sorted(job.trained) == everything
+    pushed = [w.books.pushed for w in job.workers]
+    assert sum(pushed) == len(everything)
+    for server in job.servers:
+        assert server.books.applied == server.books.received == pushed
+    want = np.zeros(size, np.float32)
+    for key in everything:
+        want -= grad(want, key) / np.float32(16)
+    for full in job.full.values():
+        assert np.array_equal(full, want)
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_no_gradient_is_more_than_the_bound_behind(staleness):
+    """Between a worker's pull at clock c (the slowest at >= c - K) and its next push, each other
+    worker can go from c - K to c + K + 1: at most (2K + 1)(N - 1) updates land in between,
+    whatever the interleaving (random delays, one worker 5x slower)."""
+    workers, rng = 3, random.Random(staleness)
+
+    def delay(w: int) -> None:
+        time.sleep(rng.random() * 0.002 * (5 if w == 2 else 1))
+
+    job = Job(1, workers, staleness, size=4, steps=30, grad=lambda w, k: np.ones(4),
+              delay=delay).run().check()
+    histogram = job.servers[0].books.staleness
+    assert sum(histogram.values()) == workers * 30
+    assert max(histogram) <= (2 * staleness + 1) * (workers - 1), sorted(histogram.items())
+
+
+def test_a_free_worker_takes_the_epochs_tail_from_a_blocked_one():
+    """Worker 2 is stuck on its first batch until the others have trained their own: at
+    staleness inf they go on and take its 7 remaining batches; each batch is trained once."""
+    workers, steps = 3, 8
+    holds_its_first, released = threading.Event(), threading.Event()
+    seen: defaultdict[int, int] = defaultdict(int)
+
+    def delay(w: int) -> None:
+        seen[w] += 1
+        if w == 2:
+            holds_its_first.set()
+            released.wait(TIMEOUT)
+            return
+        # the others start once worker 2 holds its first batch: else its first pull may reach
+        # the server after they have taken all of its batches (a race the test would lose)
+        holds_its_first.wait(TIMEOUT)
+        if seen[0] + seen[1] >= 2 * steps + (steps - 1):
+            released.set()
+
+    job = Job(1, workers, None, size=6, steps=steps, grad=lambda w, k: np.ones(6), delay=delay)
+    job.run().check()
+    assert sorted(job.trained) == [(1, o, t) for o in range(workers) for t in range(steps)]
+    assert [(w.books.own, w.books.taken) for w in job.workers][2] == (1, 0)
+    assert sum(w.books.taken for w in job.workers) == steps - 1
+    assert job.servers[0].books.stolen == steps - 1
+
+
+# --- the staleness bound, message by message --------------------------------------------------------
+
+def deliver(server: ps.Server, w: int, kind: int, clock: int = 0, t: int = 0, version: int = 0) -> None:
+    """Worker ``w``'s message arrives at ``server`` (written into its receive buffer)."""
+    buf = server.inbox[w]
+    h = ps.header(buf)
+    h[ps.KIND], h[ps.EPOCH], h[ps.CLOCK], h[ps.OWNER], h[ps.T], h[ps.VERSION] = \
+        kind, server.epoch, clock, w, t, version
+    buf[ps.HEADER:] = 1.0
+    server.handle(w, len(buf) if kind == ps.PUSH else ps.HEADER)
+
+
+def replied(net: Net, server: ps.Server) -> list[int]:
+    """The workers the server has answered since the last call, in order."""
+    roles, out = server.cfg.roles, []
+    for w in range(roles.workers):
+        queue = net.queues[(server.index, roles.worker_rank(w), ps.TAG_DOWN)]
+        out += [w] * len(queue)
+        queue.clear()
+    return out
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_a_pull_is_answered_once_the_slowest_is_within_k_steps(staleness):
+    net = Net()
+    cfg = ps.Config(ps.Roles(1, 3), 4, staleness, 0.0, "torch", 10, lambda e, t: 0.1)
+    server = ps.Server(cfg, net.link(0), 0, np.zeros(4, np.float32))
+    server.begin_epoch(1)
+    deliver(server, 0, ps.PULL)
+    deliver(server, 1, ps.PULL)
+    assert replied(net, server) == [0, 1]
+    for clock in range(1, staleness + 1):  # worker 0 runs K steps ahead of worker 1: answered
+        deliver(server, 0, ps.PUSH, clock, t=clock - 1)
+        assert replied(net, server) == [0]
+    deliver(server, 0, ps.PUSH, staleness + 1, t=staleness)  # K + 1 ahead: it waits
+    assert replied(net, server) == []
+    deliver(server, 1, ps.PUSH, 1)  # the slowest moves: both answered
+    assert sorted(replied(net, server)) == [0, 1]
+    assert server.books.applied == [staleness + 1, 1]
+
+
+def test_staleness_inf_never_waits_and_staleness_0_waits_for_the_whole_step():
+    net = Net()
+    inf = ps.Server(ps.Config(ps.Roles(1, 3), 4, None, 0.0, "torch", 50, lambda e, t: 0.1),
+                    net.link(0), 0, np.zeros(4, np.float32))
+    inf.begin_epoch(1)
+    for clock in range(1, 21):
+        deliver(inf, 0, ps.PUSH, clock, t=clock - 1)
+        assert replied(net, inf) == [0]
+    assert inf.books.staleness[0] == 1 and inf.books.staleness[19] == 1  # computed on version 0
+    net = Net()
+    sync = ps.Server(ps.Config(ps.Roles(1, 3), 4, 0, 0.0, "torch", 5, lambda e, t: 0.1),
+                     net.link(0), 0, np.zeros(4, np.float32))
+    sync.begin_epoch(1)
+    deliver(sync, 0, ps.PUSH, 1)
+    assert replied(net, sync) == [] and sync.books.updates == 0  # held until the step is complete
+    deliver(sync, 1, ps.PUSH, 1)
+    assert replied(net, sync) == [0, 1] and sync.books.updates == 1
+    np.testing.assert_array_equal(sync.weights, np.full(4, -0.1, np.float32))  # mean of 1s at 0.1
+
+
+# --- the pieces -----------------------------------------------------------------------------------
+
+def test_slices_balance_the_bytes():
+    assert ps.split(184_586, 3) == [0, 61_528, 123_057, 184_586]
+    for size, parts in [(10, 3), (7, 7), (184_586, 4), (5, 1)]:
+        bounds = ps.split(size, parts)
+        lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+        assert bounds[0] == 0 and bounds[-1] == size and max(lengths) - min(lengths) <= 1
+
+
+def test_the_assigner_hands_every_batch_out_once():
+    a = ps.Assigner(3, 4)
+    taken = [a.take(0) for _ in range(6)]  # its own 4, then the others' tails
+    assert taken == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 3), (2, 3)]
+    rest = [a.take(1), a.take(1), a.take(1), a.take(2), a.take(2), a.take(2), a.take(2)]
+    assert rest == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), None]
+    assert a.stolen == 2
+
+
+def test_a_histogram_line_groups_by_powers_of_two():
+    assert ps.histogram_line({"0": 5, "1": 4, "2": 1, "3": 2, "9": 1, "40": 3}) == \
+        "0: 5, 1: 4, 2-3: 3, 8-15: 1, 16+: 3"
+    assert ps.histogram_line({}) == "none"
+
+
+# --- failures ---------------------------------------------------------------------------------
+
+def test_a_dead_worker_is_gone_on_without_at_staleness_inf():
+    """Worker 1 stops after 3 gradients; server 0 hears it is silent (the watchdog's heartbeats,
+    here an event) and goes on: the others take its batches, the second epoch runs without it,
+    every survivor learns it is dead, and only the batch it was computing is lost."""
+    workers, steps = 3, 6
+    silent_rank = 2 + 1
+
+    def silent() -> dict[int, float]:
+        return {silent_rank: 99.0} if job.gone[1].is_set() else {}
+
+    job = Job(2, workers, None, size=6, steps=steps, epochs=2, grad=lambda w, k: np.ones(6),
+              silent=silent, on_dead=lambda rank, quiet: True, dies={1: 3},
+              delay=lambda w: time.sleep(0.002))
+    job.run().check()
+    assert {r: v for r, v in job.verdicts.items()} == {r: [1] for r in (0, 1, 2, 4)}
+    first = [k for k in job.trained if k[0] == 1]
+    assert len(first) == workers * steps - 1 == len(set(first))  # one batch lost: its 4th
+    second = sorted(k for k in job.trained if k[0] == 2)
+    assert second == [(2, o, t) for o in (0, 1, 2) for t in range(steps)]  # its shard: taken over
+    for server in job.servers:
+        assert server.books.applied[1] == server.books.received[1] == 3
+
+
+def test_a_dead_worker_ends_the_job_at_a_finite_staleness():
+    def silent() -> dict[int, float]:
+        return {3: 42.0} if job.gone[1].is_set() else {}
+
+    job = Job(1, 3, 4, size=4, steps=20, grad=lambda w, k: np.ones(4), silent=silent,
+              dies={1: 2}, deadline=3.0, delay=lambda w: time.sleep(0.002))
+    job.run()
+    assert isinstance(job.errors.get(0), ps.PeerSilent) and str(job.errors[0]) == "worker rank 3"
+
+
+def test_non_finite_weights_stop_every_worker_at_that_step():
+    def grad(weights: np.ndarray, key: tuple) -> np.ndarray:
+        epoch, owner, t = key
+        return np.full(4, np.nan if (owner, t) == (1, 2) else 1.0)
+
+    job = Job(1, 2, 0, size=4, steps=10, grad=grad).run().check()
+    assert job.servers[0].diverged[:2] == (1, 3)  # epoch 1, step 3 (from 1)
+    assert max(t for _, _, t in job.trained) == 2  # nobody trained past the step

@@ -1,0 +1,116 @@
+"""``--strategy ps`` on PyTorch: the framework's half of a parameter-server run, and its job.
+
+:class:`TorchPSRun` is :class:`~torch_models.run.TorchRun` (the same preamble: initialise, pin,
+the data, the model, the checks) without the ring's recipe: no ``DistributedOptimizer``, no
+broadcast.  MPI is initialised by mpi4py first (:func:`ringtrain.training.ps_mpi.start`), Horovod
+runs the start-up's collectives and is shut down once the run is open; server 0 (rank 0) keeps a
+plain ``torch.optim.SGD`` only to write and read checkpoints in the ring's format.  What the
+engine asks of PyTorch: the trainable parameters as one flat float32 vector and back, one step's
+gradient as one, and the momentum buffers (``momentum_buffer``: ``v = mu v + g``, the ``torch``
+rule of :class:`ringtrain.training.ps.SliceSGD`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ringtrain.errors import UserError
+from ringtrain.output.summary import Summary
+from ringtrain.training import startup
+from ringtrain.training.fixed import FixedRun
+from ringtrain.training.ps_run import ParameterServerRun
+from torch_models.run import TorchRun
+
+
+class TorchPSRun(ParameterServerRun, TorchRun):
+    momentum_rule = "torch"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.open_run(args, hvd)
+
+    def open_optimizer(self, elastic: bool) -> None:
+        """Server 0's optimizer, for checkpoints only (the servers update their slices), and the
+        resume on rank 0; no wrapping, no broadcast."""
+        self.role_ranks(self.world)
+        self.trained = [p for p in self.model.parameters() if p.requires_grad]
+        odd = sorted({str(p.dtype) for p in self.trained} - {"torch.float32"})
+        if odd:
+            raise UserError(f"--strategy ps keeps the parameters as float32, and this model has "
+                            f"{', '.join(odd)} ones; use float32 parameters or the ring")
+        self.optimizer = (torch.optim.SGD(self.trained, lr=self.target_lr, momentum=self.args.momentum)
+                          if self.world.rank == 0 else None)
+        self.start_epoch = startup.resume_epoch(self.world, self.args, self.restore)
+
+    # --- the flat vector ----------------------------------------------------------------------
+
+    def get_flat(self) -> np.ndarray:
+        with torch.no_grad():
+            return torch.cat([p.detach().reshape(-1) for p in self.trained]).cpu().numpy().copy()
+
+    def set_flat(self, flat: np.ndarray) -> None:
+        source = torch.from_numpy(flat).to(self.device)
+        start = 0
+        with torch.no_grad():
+            for p in self.trained:
+                p.copy_(source[start:start + p.numel()].view_as(p))
+                start += p.numel()
+
+    def flat_gradient(self, batch) -> tuple[np.ndarray, float, int]:
+        """The ring's step (``TorchRun.step``) up to the allreduce: K micro-batches, each loss
+        weighted 1/K, their gradients summed by backward."""
+        x_all, y_all = batch
+        k, model = self.args.backward_passes_per_step, self.model
+        model.train()
+        for p in self.trained:
+            p.grad = None
+        total = 0.0
+        for micro in range(k):
+            x, y = (x_all, y_all) if k == 1 else (x_all[micro * self.micro:][:self.micro],
+                                                  y_all[micro * self.micro:][:self.micro])
+            loss = F.cross_entropy(model(x), y)
+            self.loss_sum.add_(loss.detach(), alpha=len(y))
+            total += float(loss.detach()) * len(y)
+            (loss / k if k > 1 else loss).backward()
+        grad = torch.cat([p.grad.reshape(-1) for p in self.trained]).cpu().numpy()
+        return grad, total / len(y_all), len(y_all)
+
+    def get_velocity(self) -> np.ndarray | None:
+        if not self.args.momentum:
+            return None
+        state = self.optimizer.state
+        return torch.cat([state[p]["momentum_buffer"].reshape(-1) if "momentum_buffer" in state[p]
+                          else torch.zeros(p.numel()) for p in self.trained]).cpu().numpy().copy()
+
+    def set_velocity(self, flat: np.ndarray | None, steps: int, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if flat is None:
+            return
+        start = 0
+        for p in self.trained:
+            buf = torch.from_numpy(flat[start:start + p.numel()].copy()).view_as(p).to(p.device)
+            self.optimizer.state[p]["momentum_buffer"] = buf
+            start += p.numel()
+
+    def buffer_values(self) -> np.ndarray:
+        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        if not buffers:
+            return np.zeros(0)
+        return torch.cat([b.detach().reshape(-1).double() for b in buffers]).cpu().numpy()
+
+    def set_buffers(self, flat: np.ndarray) -> None:
+        start = 0
+        with torch.no_grad():
+            for b in (b for b in self.model.buffers() if b.is_floating_point()):
+                b.copy_(torch.from_numpy(flat[start:start + b.numel()]).view_as(b))
+                start += b.numel()
+
+
+def train(args: argparse.Namespace) -> Summary:
+    run = TorchPSRun(args)
+    return FixedRun(args, run, start_epoch=run.start_epoch).train()
