@@ -293,6 +293,11 @@ def check_strategy(args: argparse.Namespace) -> None:
         (args.gradient_predivide_factor != 1.0, "--gradient-predivide-factor",
          "it splits the ring's average, which --strategy ps does not run"),
         (args.amp, "--amp", "the servers apply float32 gradients without loss scaling"),
+        (args.timeline_out is not None, "--timeline-out", "Horovod's timeline records its "
+                                                          "collectives, and Horovod is shut down "
+                                                          "once a parameter-server run is open"),
+        (args.autotune is not None, "--autotune", "Horovod's autotuner tunes the ring's "
+                                                  "allreduce, which --strategy ps does not run"),
     ]
     for given, flag, why in refused:
         if given:
@@ -337,6 +342,17 @@ def validate_pipeline(args: argparse.Namespace) -> None:
     if args.amp:
         raise UserError("--amp with --pipeline-stages is not supported yet; drop one of the two "
                         "flags")
+    # Horovod 0.28.1 scores the autotuner's samples on the global process set only (operations.cc:
+    # "process_set_id == 0"), and its timeline is written by rank 0, which negotiates only the
+    # sets it belongs to: a pipeline allreduces each stage's gradients in the stage's own set.
+    if args.autotune is not None:
+        raise UserError("--autotune with --pipeline-stages: Horovod's autotuner scores only "
+                        "allreduces over every rank, and a pipeline allreduces each stage's "
+                        "gradients within the stage's ranks; drop one of the two flags")
+    if args.timeline_out is not None:
+        raise UserError("--timeline-out with --pipeline-stages: rank 0 writes Horovod's timeline "
+                        "and sees only its own stage's allreduces (the other stages' would be "
+                        "missing); drop one of the two flags")
 
 
 def validate_world(args: argparse.Namespace, world_size: int) -> None:

@@ -75,7 +75,9 @@ class FrameworkRun(ABC):
     args: argparse.Namespace
     world: World
     identity: RunIdentity
-    tools: HorovodTools | None = None  # --timeline, --autotune (a fixed job's run object sets it)
+    # --timeline-out, --autotune: set by the ring's run objects (TorchRun, KerasRun); a pipeline
+    # and --strategy ps refuse the flags (ringtrain.flags)
+    tools: HorovodTools | None = None
 
     # --- who reads which data, and the LR rule's world size ------------------------------------
 
