@@ -20,7 +20,7 @@ when a tensor is enqueued): the fusion threshold (0-64 MiB) and the response cac
 as in 0.28.1; the cycle time (1-100 ms) no longer paces the rounds, since a round starts when a
 tensor arrives, only the retries of rounds that could match nothing, the idle rounds and the
 longest burst of gradients one round gathers; hierarchical and torus allreduce are fixed off on
-CPU builds.  docs/profiling.md has the measurements.
+CPU builds.  docs/profiling.md has how to use and read both.
 """
 
 from __future__ import annotations

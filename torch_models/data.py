@@ -192,9 +192,10 @@ def workers(args: argparse.Namespace, local_size: int) -> int:
 
 # An epoch (or evaluation) whose images are all in the folder's decoded cache but at most this
 # share is read in the rank itself, a gather from the cache file per batch (the rest decoded
-# there), rather than through the DataLoader's workers: on 2 cores the workers' per-item work
-# and the processes' competition for the cores cost more than the whole read (BENCHMARKS.md
-# section 8).
+# there), rather than through the DataLoader's workers: the read is then a gather and a
+# normalisation per batch (bench/decodecost.py's cached_batch), which the workers' per-item work
+# and their competition for the cores would only add to.  Not yet measured against the workers
+# in BENCHMARKS.md.
 IN_RANK_MISSING = 0.05
 
 
