@@ -12,6 +12,9 @@ seconds per image of:
   (decode, normalise, channels first, to a tensor), before the DataLoader batches it;
 * ``batch``: ``FolderData.batch`` on 64 indices at a time, per image: what TensorFlow's
   ``tf.data`` map runs (decode and normalise a whole batch).
+* ``cached_batch``: the same from a decoded cache (``ringtrain/data/decoded_cache.py``) that holds
+  every image already: what both frameworks read from the second epoch on (PyTorch in the rank,
+  then channels first); the cache in a temporary folder, removed after.
 
 Each is timed twice over the same files (the first pass also warms the page cache); the second
 counts.
@@ -20,6 +23,7 @@ counts.
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,6 +72,13 @@ def main() -> None:
                     len(index.train.labels), len(index.test.labels),
                     Normalization((0.5,) * channels, (0.25,) * channels, "bench"))
     dataset = FolderImages(FolderData(info, index), "train")
+    with tempfile.TemporaryDirectory(prefix="decodecost-") as where:
+        keyed = FolderData(info, index).with_keys()
+        cached = keyed.with_caches(where, print)
+        batches = [np.arange(s, min(s + 64, n)) for s in range(0, n, 64)]
+        for b in batches:  # fill it
+            cached.batch("train", b)
+        cached_batch = per_image(timed(lambda b: cached.batch("train", b), batches), n, len(batches))
     result = {"images": n, "shape": list(index.shape),
               "load": timed(lambda i: images.load(paths[i], index.shape), picks),
               "load_resize": timed(lambda i: images.load(paths[i], half), picks),
@@ -75,6 +86,7 @@ def main() -> None:
               "item": timed(lambda i: dataset[i], picks),
               "batch": per_image(timed(lambda s: dataset.data.batch("train", np.arange(s, min(s + 64, n))),
                                        list(range(0, n, 64))), n, len(range(0, n, 64))),
+              "cached_batch": cached_batch,
               "mean_file_bytes": float(np.mean([len(open(p, "rb").read()) for p in paths]))}
     write_json(Path(args.out), result)
 

@@ -79,7 +79,10 @@ def image_data(shape: tuple[int, int, int], classes: int) -> SimpleNamespace:
 
 def trainer_args(args: argparse.Namespace) -> argparse.Namespace:
     """The trainer flags that ``--data folder:DIR`` reads, as the trainers would parse them."""
-    argv = ["--data", args.data, "--batch-size", str(args.batch_size)]
+    # The decoding pipeline, as before the decoded cache: the loop's batches run through epochs
+    # it does not finish, which the cache would serve partly from each (bench/owndata.py
+    # measures the cache with the real trainer).
+    argv = ["--data", args.data, "--batch-size", str(args.batch_size), "--no-decode-cache"]
     if args.workers is not None:
         argv += ["--workers", str(args.workers)]
     trainer = flags.add_trainer_args(argparse.ArgumentParser(allow_abbrev=False)).parse_args(argv)

@@ -243,8 +243,9 @@ def execute(cfg: DataConfig, job: Job, folders: dict, models: dict[str, Model], 
 
 
 def rank_memory(record: dict) -> dict[str, Any]:
-    """One rank's memory: its own peak RSS, and its DataLoader workers' (how many were seen, the
-    largest peak RSS, PSS and USS among them, their CPU seconds together)."""
+    """One rank's memory: its own peak RSS (and each kind's peak: anonymous, file-backed, shared;
+    :class:`bench.procs.PeakParts`), and its DataLoader workers' (how many were seen, the largest
+    peak RSS, PSS and USS among them, their CPU seconds together)."""
     workers = [d for d in record.get("descendants", []) if d["role"] == "worker"]
     server = [d for d in record.get("descendants", []) if d["role"] == "forkserver"]
 
@@ -256,7 +257,8 @@ def rank_memory(record: dict) -> dict[str, Any]:
             "workers_max_pss_mib": largest("max_pss_mib"), "workers_max_uss_mib": largest("max_uss_mib"),
             "workers_cpu_seconds": round(sum(d["cpu_seconds"] for d in workers), 2),
             "forkserver_peak_rss_mib": round(server[0]["peak_rss_mib"], 1) if server else None,
-            "forkserver_max_uss_mib": round(server[0]["max_uss_mib"], 1) if server else None}
+            "forkserver_max_uss_mib": round(server[0]["max_uss_mib"], 1) if server else None,
+            "peak_rss_parts_mib": {k: round(v, 1) for k, v in record.get("peak_rss_parts_mib", {}).items()}}
 
 
 def memory_jobs(cfg: DataConfig, fw: str) -> list[Job]:

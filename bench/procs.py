@@ -81,6 +81,48 @@ def memory_shares_mib(pid: int) -> tuple[float, float] | None:
     return pss / 1024, private / 1024
 
 
+def rss_parts_mib(pid: int) -> dict[str, float] | None:
+    """``pid``'s resident set now by kind, in MiB (``/proc/<pid>/status``): ``anon`` (its heap
+    and stacks: what grows with what it holds), ``file`` (pages of files it maps: libraries, and
+    a memory-mapped cache's pages it has touched, which the kernel shares with every process
+    mapping them and may drop when clean), ``shmem`` (shared memory)."""
+    keys = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    out = {}
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            key = line.split(":", 1)[0] + ":"
+            if key in keys:
+                out[keys[key]] = int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return out if len(out) == len(keys) else None
+
+
+class PeakParts(threading.Thread):
+    """The largest :func:`rss_parts_mib` of one process seen every ``interval`` seconds (each
+    kind's own peak; ``VmHWM`` is their sum's)."""
+
+    def __init__(self, pid: int, interval: float = 0.25) -> None:
+        super().__init__(daemon=True, name="bench-rss-parts")
+        self.pid, self.interval, self.halt = pid, interval, threading.Event()
+        self.peak: dict[str, float] = {}
+
+    def sample(self) -> None:
+        parts = rss_parts_mib(self.pid)
+        for key, value in (parts or {}).items():
+            self.peak[key] = max(value, self.peak.get(key, 0.0))
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            self.sample()
+            self.halt.wait(self.interval)
+
+    def stop(self) -> dict[str, float]:
+        self.halt.set()
+        self.sample()
+        return dict(self.peak)
+
+
 def command(pid: int) -> str:
     try:
         return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace").strip()

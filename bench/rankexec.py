@@ -5,7 +5,8 @@ Why a wrapper: the trainers, DDP and MultiWorkerMirrored jobs have no common way
 and gathering it through each side's own collectives would make the sides differ.  The wrapper is
 identical for every side.  With ``$BENCH_CHILDREN=1`` it also samples the rank's descendants
 (:mod:`bench.procs`: the DataLoader workers' peak memory and CPU seconds, which ``ru_maxrss``
-does not see) and adds them to that file.  With ``$BENCH_PYSPY_OUT`` set, rank 0 re-executes itself under
+does not see) and the rank's own resident set by kind (anonymous, file-backed, shared), and adds
+them to that file.  With ``$BENCH_PYSPY_OUT`` set, rank 0 re-executes itself under
 ``py-spy record`` (raw collapsed stacks) so a profile of exactly the measured run comes out.
 """
 
@@ -20,11 +21,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from bench.procs import Watcher
+from bench.procs import PeakParts, Watcher
 from bench.util import launcher_rank
 
 
-def _write_rss(watcher: Watcher | None = None) -> None:
+def _write_rss(watcher: Watcher | None = None, parts: PeakParts | None = None) -> None:
     folder = os.environ.get("BENCH_RSS_DIR")
     if not folder:
         return
@@ -32,6 +33,8 @@ def _write_rss(watcher: Watcher | None = None) -> None:
     name = f"rank{rank}" if rank is not None else f"pid{os.getpid()}"
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     record = {"rank": rank, "peak_rss_mib": peak_kib / 1024}
+    if parts is not None:
+        record["peak_rss_parts_mib"] = parts.stop()
     if watcher is not None:
         record["descendants"] = watcher.stop()
     Path(folder).mkdir(parents=True, exist_ok=True)
@@ -62,11 +65,13 @@ def main() -> None:
     if not argv:
         sys.exit("usage: python -m bench.rankexec MODULE [ARGS...]")
     _maybe_profile(argv)
-    watcher = None
+    watcher = parts = None
     if os.environ.get("BENCH_CHILDREN") == "1":
         watcher = Watcher()
         watcher.start()
-    atexit.register(_write_rss, watcher)
+        parts = PeakParts(os.getpid())
+        parts.start()
+    atexit.register(_write_rss, watcher, parts)
     sys.argv = [argv[0], *argv[1:]]
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 

@@ -288,7 +288,7 @@ def _decode(data: dict) -> list[str]:
     rows = []
     for d in data.get("decode", []):
         if not d.get("ok"):
-            rows.append([d["folder"], "failed", "", "", "", "", "", ""])
+            rows.append([d["folder"], "failed", "", "", "", "", "", "", ""])
             continue
         h, w, c = d["shape"]
         rh, rw, _ = d["load_resize_to"]
@@ -296,6 +296,7 @@ def _decode(data: dict) -> list[str]:
                      f"{d['load']['cpu_us']:.0f}", f"{d['load_resize']['cpu_us']:.0f} (to {rh}x{rw})",
                      f"{d['item']['cpu_us']:.0f}",
                      f"{d['batch']['cpu_us']:.0f}" if "batch" in d else "n/a",
+                     f"{d['cached_batch']['cpu_us']:.0f}" if "cached_batch" in d else "n/a",
                      f"{1e6 / d['item']['cpu_us']:.0f}"])
     if not rows:
         return []
@@ -307,9 +308,13 @@ def _decode(data: dict) -> list[str]:
             "(PIL decodes and converts); *decode + resize*: the same to half the size (bilinear); "
             "*worker's item*: `FolderImages[i]`, everything a PyTorch worker does per image "
             "(decode, normalise, channels first, a tensor), before batching; *batch read*: "
-            "`FolderData.batch` on 64 images, per image (what TensorFlow's `tf.data` map runs).", "",
+            "`FolderData.batch` on 64 images, per image (what TensorFlow's `tf.data` map runs); "
+            "*cached batch read*: the same from a decoded cache that holds every image "
+            "(`ringtrain/data/decoded_cache.py`: what both frameworks read from the second epoch on).",
+            "",
             table(["folder (model)", "pixels", "mean file bytes", "decode us", "decode + resize us",
-                   "worker's item us", "batch read us", "items/s one core makes"], rows), ""]
+                   "worker's item us", "batch read us", "cached batch read us",
+                   "items/s one core makes"], rows), ""]
 
 
 def _where(data: dict, rx) -> list[str]:

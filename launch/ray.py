@@ -37,7 +37,7 @@ from ringtrain.ray_jobs.worker import worker_main
 
 PROG = "python -m launch.ray"
 MIN_OBJECT_STORE_MB = 80  # Ray refuses less than 75 MiB
-PATH_FLAGS = ("data_dir", "checkpoint_dir", "metrics_out", "tensorboard")
+PATH_FLAGS = ("data_dir", "checkpoint_dir", "metrics_out", "tensorboard", "timeline_out", "autotune")
 
 
 # --- the command line --------------------------------------------------------------------------

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from ringtrain import model_spec
-from ringtrain.data import dataset, images, mnist
+from ringtrain import horovod_tools, model_spec
+from ringtrain.data import dataset, decoded_cache, images, mnist
 from ringtrain.errors import UserError
 from ringtrain.lr import DECAY_RULES, SCALING_RULES
 from ringtrain.pipeline.placement import check_world as check_pipeline_world
@@ -145,7 +145,33 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--tensorboard-steps", action="store_true",
                    help="with --tensorboard: also write rank 0's loss and the LR after every step")
     g.add_argument("--no-progress", action="store_true", help="no progress bar, only epoch lines")
+    add_performance_args(parser)
     return parser
+
+
+def add_performance_args(parser: argparse.ArgumentParser) -> None:
+    """Horovod's own tools (--timeline-out, --autotune) and the decoded-image cache (issue 41)."""
+    g = parser.add_argument_group("performance")
+    g.add_argument("--timeline-out", default=None, metavar="FILE",
+                   help="rank 0 writes Horovod's timeline here: every collective of every tensor "
+                        "and its phases, a Chrome trace (open in chrome://tracing or Perfetto); "
+                        "see docs/profiling.md")
+    g.add_argument("--autotune", nargs="?", const=horovod_tools.DEFAULT_AUTOTUNE_LOG, default=None,
+                   metavar="LOG",
+                   help="let Horovod's autotuner pick the fusion threshold and response cache by "
+                        "measured allreduce throughput (HOROVOD_AUTOTUNE); its log (one CSV row "
+                        f"per sample) goes to LOG (default {horovod_tools.DEFAULT_AUTOTUNE_LOG}), "
+                        "the choice is printed at the end and kept in --metrics-out. The cycle "
+                        "time it also tries no longer paces the rounds of ringtrain's Horovod "
+                        "(a round starts when a tensor arrives): see docs/profiling.md")
+    g.add_argument("--decode-cache", default=None, metavar="DIR",
+                   help="with --data folder:DIR: keep each decoded image's pixels (uint8) in a "
+                        "file per folder split under DIR, shared by the ranks of a host, so that "
+                        "epochs after the first read them instead of decoding (default "
+                        f"${decoded_cache.ENV}, else {decoded_cache.DEFAULT_DIR}); a folder "
+                        "without room or that cannot be written means no cache, with a warning")
+    g.add_argument("--no-decode-cache", action="store_true",
+                   help="with --data folder:DIR: decode every image in every epoch (no cache)")
 
 
 def validate(args: argparse.Namespace) -> argparse.Namespace:
@@ -205,8 +231,22 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         raise UserError("--tensorboard-steps needs --tensorboard DIR (where to write)")
     check_strategy(args)
     model_spec.check_spec(args.model)
+    validate_performance(args, kind)
     validate_pipeline(args)
     return args
+
+
+def validate_performance(args: argparse.Namespace, data_kind: str) -> None:
+    """The checks of :func:`add_performance_args`' flags."""
+    horovod_tools.check_flags(args)
+    if data_kind != "folder" and (args.no_decode_cache or args.decode_cache is not None):
+        flag = "--no-decode-cache" if args.no_decode_cache else "--decode-cache"
+        raise UserError(f"{flag} works with --data folder:DIR only (the decoded images of an "
+                        f"image folder); drop it")
+    if args.no_decode_cache and args.decode_cache is not None:
+        raise UserError("--decode-cache DIR and --no-decode-cache contradict each other; drop one")
+    if args.decode_cache is not None and not args.decode_cache.strip():
+        raise UserError("--decode-cache needs a folder, got ''")
 
 
 # --- --strategy ps (issue 39) ---------------------------------------------------------------------
@@ -253,6 +293,11 @@ def check_strategy(args: argparse.Namespace) -> None:
         (args.gradient_predivide_factor != 1.0, "--gradient-predivide-factor",
          "it splits the ring's average, which --strategy ps does not run"),
         (args.amp, "--amp", "the servers apply float32 gradients without loss scaling"),
+        (args.timeline_out is not None, "--timeline-out", "Horovod's timeline records its "
+                                                          "collectives, and Horovod is shut down "
+                                                          "once a parameter-server run is open"),
+        (args.autotune is not None, "--autotune", "Horovod's autotuner tunes the ring's "
+                                                  "allreduce, which --strategy ps does not run"),
     ]
     for given, flag, why in refused:
         if given:
@@ -264,6 +309,10 @@ def check_strategy_world(args: argparse.Namespace, world_size: int) -> None:
         raise UserError(f"--ps-servers {ps_servers(args)} leaves no worker among {world_size} "
                         f"processes (ranks 0..P-1 serve, the rest compute); run at least "
                         f"{ps_servers(args) + 1} processes, or fewer servers")
+
+
+# --- --pipeline-stages ----------------------------------------------------------------------------
+
 def validate_pipeline(args: argparse.Namespace) -> None:
     """``--pipeline-stages``, ``--microbatches`` and ``--schedule``; fills in their defaults."""
     stages = args.pipeline_stages
@@ -293,6 +342,17 @@ def validate_pipeline(args: argparse.Namespace) -> None:
     if args.amp:
         raise UserError("--amp with --pipeline-stages is not supported yet; drop one of the two "
                         "flags")
+    # Horovod 0.28.1 scores the autotuner's samples on the global process set only (operations.cc:
+    # "process_set_id == 0"), and its timeline is written by rank 0, which negotiates only the
+    # sets it belongs to: a pipeline allreduces each stage's gradients in the stage's own set.
+    if args.autotune is not None:
+        raise UserError("--autotune with --pipeline-stages: Horovod's autotuner scores only "
+                        "allreduces over every rank, and a pipeline allreduces each stage's "
+                        "gradients within the stage's ranks; drop one of the two flags")
+    if args.timeline_out is not None:
+        raise UserError("--timeline-out with --pipeline-stages: rank 0 writes Horovod's timeline "
+                        "and sees only its own stage's allreduces (the other stages' would be "
+                        "missing); drop one of the two flags")
 
 
 def validate_world(args: argparse.Namespace, world_size: int) -> None:

@@ -90,6 +90,19 @@ def ranks_on_this_host(env: dict[str, str]) -> int | None:
     return counts[int(node)] if int(node) < len(counts) else None
 
 
+def first_on_this_host(env: dict[str, str] | None = None) -> bool:
+    """Whether this process is its host's first rank (local rank 0) as the launcher says before
+    ``hvd.init()`` (mpirun and horovodrun: ``OMPI_COMM_WORLD_LOCAL_RANK``; Gloo, elastic and Ray
+    jobs: ``HOROVOD_LOCAL_RANK``; Slurm: ``SLURM_LOCALID``); True when nobody says (one process).
+    For what one rank per host says: the host's own folders."""
+    env = os.environ if env is None else env
+    for name in ("OMPI_COMM_WORLD_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "SLURM_LOCALID"):
+        value = env.get(name, "")
+        if value.isdigit():
+            return int(value) == 0
+    return True
+
+
 def uses_gloo(env: dict[str, str]) -> bool:
     """Whether ``hvd.init()`` will start Gloo: horovodrun --gloo and elastic jobs say so through
     these variables, and a user may set them for mpirun or a single process."""

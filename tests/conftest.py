@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,9 +43,16 @@ def launch_cmd(module: str, args: list[str], np: int = 2, how: str = "horovodrun
     raise ValueError(how)
 
 
+# The trainers' decoded-image cache (--data folder:DIR) of this test session, not the user's
+# ~/.cache/ringtrain/decoded: the folders the tests write are gone after them.
+DECODE_CACHE = tempfile.mkdtemp(prefix="ringtrain-tests-decoded-")
+atexit.register(shutil.rmtree, DECODE_CACHE, True)
+
+
 def run(cmd: list[str], timeout: float = 300, env: dict | None = None,
         cwd: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2",
+                "RINGTRAIN_DECODE_CACHE": DECODE_CACHE, **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=stdin,
                           env=full_env, cwd=cwd or REPO)
 

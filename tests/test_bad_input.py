@@ -30,6 +30,9 @@ SMALL = ["--train-samples", "256", "--test-samples", "100", "--epochs", "1", "--
     (["--strategy", "ps", "--staleness", "soon"], "got 'soon'"),
     (["--strategy", "ps", "--elastic"], "--strategy ps cannot run with --elastic: an elastic job"),
     (["--strategy", "ps", "--adasum"], "--strategy ps cannot run with --adasum: Adasum"),
+    (["--strategy", "ps", "--timeline-out", "t.json"],
+     "--strategy ps cannot run with --timeline-out: Horovod's timeline"),
+    (["--strategy", "ps", "--autotune"], "--strategy ps cannot run with --autotune: Horovod's autotuner"),
     (["--strategy", "ps", "--ps-servers", "0"], "--ps-servers must be at least 1"),
     (["--staleness", "4"], "add --strategy ps"),
 ])

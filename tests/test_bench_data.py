@@ -37,6 +37,8 @@ def test_data_part_runs_end_to_end_at_the_smallest_size(tmp_path, framework):
     # (bench/procs.py), which a smoke run's workers can outlive or not, depending on the machine:
     # what was seen must be whole, but seeing them is the full run's business.
     assert sorted(r["folder_key"] for r in data["memory"]) == ["mem-24", "mem-48"]
+    # the rank's own resident set by kind (bench/procs.py PeakParts): its heap is never empty
+    assert all(q["peak_rss_parts_mib"]["anon"] > 0 for r in data["memory"] for q in r["ranks"])
     if framework == "torch":
         for r in data["memory"] + [r for r in data["throughput"] if r["data"] == "folder"]:
             assert r["workers_used"] >= 1, r
@@ -48,7 +50,8 @@ def test_data_part_runs_end_to_end_at_the_smallest_size(tmp_path, framework):
         assert loop["rank0_workers_cores_busy"] >= 0
     assert data["folders"]["mem-48"]["list_bytes"] > data["folders"]["mem-24"]["list_bytes"] > 0
     decode = data["decode"][0]
-    assert decode["ok"] and all(decode[k]["cpu_us"] > 0 for k in ("load", "load_resize", "item", "batch"))
+    assert decode["ok"] and all(decode[k]["cpu_us"] > 0 for k in ("load", "load_resize", "item", "batch",
+                                                                 "cached_batch"))
     # the 200,000-file folders are never kept
     assert not (tmp_path / "tmp" / "data" / "folders").exists()
 

@@ -194,6 +194,8 @@ def test_the_summary_names_each_stage(fw, runs):
     (["--pipeline-stages", "2", "--microbatches", "3"], "--microbatches 3 must divide --batch-size 64"),
     (["--pipeline-stages", "2", "--elastic"], "--elastic with --pipeline-stages"),
     (["--pipeline-stages", "2", "--adasum"], "--adasum with --pipeline-stages"),
+    (["--pipeline-stages", "2", "--autotune"], "--autotune with --pipeline-stages"),
+    (["--pipeline-stages", "2", "--timeline-out", "t.json"], "--timeline-out with --pipeline-stages"),
     (["--pipeline-stages", "0"], "--pipeline-stages must be a positive integer"),
     (["--schedule", "gpipe"], "--schedule works with --pipeline-stages 2 or more"),
     (["--pipeline-stages", "2", "--schedule", "zigzag"], "invalid choice: 'zigzag'"),

@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from ringtrain.data import dataset as datasets
+from ringtrain.horovod_tools import HorovodTools
 from ringtrain.optimizer_options import distributed_optimizer_options
 from ringtrain.output.progress import Loss
 from ringtrain.runtime import before_init
@@ -54,6 +55,7 @@ class KerasRun(FrameworkRun):
     def __init__(self, args: argparse.Namespace, *, elastic: bool = False) -> None:
         self.args, self.elastic = args, elastic
         before_init(args.stall_timeout)
+        self.tools = HorovodTools.before_init(args)  # --timeline-out, --autotune: the environment
         # Horovod: initialise; from here on every rank knows its rank and the world size.
         hvd.init()
         # Horovod: pin this rank to its share of the host's cores and to GPU local_rank (if any).
@@ -71,6 +73,8 @@ class KerasRun(FrameworkRun):
         self.identity = RunIdentity.of(args, "tf", VERSIONS, self.data.info, self.net.count_params())
         if together or self.world.rank == 0:
             startup.check_output_folders(together, args, self.identity.param_count)
+        # Horovod: its timeline (--timeline-out) records from here on, written by rank 0.
+        self.tools.start(self.world.rank, hvd)
 
         self.open_optimizer(elastic)
         self.batch_sums = make_batch_sums(self.net, self.data.info)

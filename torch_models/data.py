@@ -190,10 +190,20 @@ def workers(args: argparse.Namespace, local_size: int) -> int:
     return args.workers if args.workers is not None else threads_per_rank(local_size)
 
 
+# An epoch (or evaluation) whose images are all in the folder's decoded cache but at most this
+# share is read in the rank itself, a gather from the cache file per batch (the rest decoded
+# there), rather than through the DataLoader's workers: the read is then a gather and a
+# normalisation per batch (bench/decodecost.py's cached_batch), which the workers' per-item work
+# and their competition for the cores would only add to.  Not yet measured against the workers
+# in BENCHMARKS.md.
+IN_RANK_MISSING = 0.05
+
+
 class Streamed(TorchData):
     def __init__(self, info: DataInfo, train, test, *, reload, args: argparse.Namespace,
-                 device: torch.device, local_size: int) -> None:
+                 device: torch.device, local_size: int, folder: FolderData | None = None) -> None:
         self.info, self.device, self.reload = info, device, reload
+        self.folder = folder  # an image folder, read in the rank where its cache holds it
         self.batch_size = args.batch_size
         n = workers(args, local_size)
         options: dict[str, Any] = {"num_workers": n, "pin_memory": device.type == "cuda"}
@@ -214,15 +224,37 @@ class Streamed(TorchData):
                 self.problem = self.reload(split, int(bad[bad >= 0][0]))
             yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
+    def _in_rank(self, split: str, index_batches: Sequence[np.ndarray]):
+        """The batches read in this process: from the decoded cache, the few images not in it
+        decoded here (the same numbers as the workers' items, batched)."""
+        for idx in index_batches:
+            x, y, problem = self.folder.batch(split, idx)
+            self.bad_batch = problem is not None
+            if problem is not None and self.problem is None:
+                self.problem = problem
+            x = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
+            yield x.to(self.device), torch.from_numpy(y).to(self.device)
+
+    def _cached(self, split: str, index_batches: Sequence[np.ndarray]) -> bool:
+        return (self.folder is not None and len(index_batches) > 0 and self.folder.cached_share(
+            split, np.concatenate(index_batches)) >= 1.0 - IN_RANK_MISSING)
+
     def epoch(self, index_batches):
+        if self._cached("train", index_batches):
+            return self._in_rank("train", index_batches)
         self.sampler.batches = index_batches
         return self._batches(self.loader, "train")
 
     def eval_sums(self, model, rank: int, size: int) -> list[float]:
         idx = eval_indices(self.info.test_size, rank, size)
-        self.test_sampler.batches = [idx[s:s + self.batch_size] for s in range(0, len(idx), self.batch_size)]
+        batches = [idx[s:s + self.batch_size] for s in range(0, len(idx), self.batch_size)]
         before = self.problem
-        totals = _sums(model, self._batches(self.test_loader, "test")).tolist()
+        if self._cached("test", batches):
+            read = self._in_rank("test", batches)
+        else:
+            self.test_sampler.batches = batches
+            read = self._batches(self.test_loader, "test")
+        totals = _sums(model, read).tolist()
         return [*totals, 1.0 if self.problem is not None and before is None else 0.0]
 
 
@@ -238,7 +270,8 @@ def open_data(args: argparse.Namespace, world: World | None, device: torch.devic
             return problem or f"{builtin.split(split).path(i)} did not decode in a worker"
 
         return Streamed(builtin.info, FolderImages(builtin, "train"), FolderImages(builtin, "test"),
-                        reload=reload_folder, args=args, device=device, local_size=local_size)
+                        reload=reload_folder, args=args, device=device, local_size=local_size,
+                        folder=builtin)
     info, train, test = startup.every_rank(world, lambda: open_user_data(args))
 
     def reload_user(split: str, i: int) -> str:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ringtrain.data import dataset as datasets
+from ringtrain.horovod_tools import HorovodTools
 from ringtrain.optimizer_options import distributed_optimizer_options
 from ringtrain.output.progress import Loss
 from ringtrain.runtime import before_init
@@ -40,6 +41,7 @@ class TorchRun(FrameworkRun):
     def __init__(self, args: argparse.Namespace, *, elastic: bool = False) -> None:
         self.args, k = args, args.backward_passes_per_step
         before_init(args.stall_timeout)
+        self.tools = HorovodTools.before_init(args)  # --timeline-out, --autotune: the environment
         # Horovod: initialise; from here on every rank knows its rank and the world size.
         hvd.init()
         # Horovod: pin this rank to its share of the host's cores and to GPU local_rank (if any).
@@ -58,6 +60,8 @@ class TorchRun(FrameworkRun):
                                        sum(p.numel() for p in self.model.parameters()))
         if together or self.world.rank == 0:
             startup.check_output_folders(together, args, self.identity.param_count)
+        # Horovod: its timeline (--timeline-out) records from here on, written by rank 0.
+        self.tools.start(self.world.rank, hvd)
         self.open_optimizer(elastic)
         self.scaler = torch.amp.GradScaler("cuda") if args.amp else None
         # On a GPU, reading the weights' finiteness at once each step would stall the GPU's queue

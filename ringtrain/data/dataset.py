@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from ringtrain import user_code
-from ringtrain.data import folder, images, mnist
+from ringtrain.data import decoded_cache, folder, images, mnist
 from ringtrain.errors import UserError
 
 IMAGE_SIZE = re.compile(r"^(\d+)(?:x(\d+))?$")
@@ -67,9 +68,15 @@ class Normalization:
         """uint8 ``[..., C]`` -> float32, in place in one copy, the operations in the same order
         as MNIST's (so that a one-channel folder of MNIST's pixels gives MNIST's inputs)."""
         out = pixels.astype(np.float32)
-        out /= 255.0
-        out -= np.asarray(self.mean, np.float32)
-        out /= np.asarray(self.std, np.float32)
+        # The constants tiled along whole rows of pixels: the same operation on every element,
+        # but numpy's loop runs over W x C numbers at a time instead of C (broadcasting 3
+        # channel constants took 0.62 of the 1.2 ms that normalising 64 32x32 RGB images took;
+        # tiled, all of it took 0.26 ms).
+        width = pixels.shape[-2] if pixels.ndim >= 2 else 1
+        rows = out.reshape(-1, width * out.shape[-1])
+        rows /= 255.0
+        rows -= np.tile(np.asarray(self.mean, np.float32), width)
+        rows /= np.tile(np.asarray(self.std, np.float32), width)
         return out
 
 
@@ -125,21 +132,58 @@ class ArrayData:
         return mnist.normalize(images_u8).reshape(len(images_u8), *self.info.input_shape)
 
 
+SPLITS = ("train", "test")
+
+
 @dataclass(frozen=True)
 class FolderData:
-    """An image folder: its index, decoded per batch by :meth:`batch`."""
+    """An image folder: its index, decoded per batch by :meth:`batch`, or read from its decoded
+    cache (:mod:`ringtrain.data.decoded_cache`) where an image is there already."""
 
     info: DataInfo
     index: folder.FolderIndex
+    # Per split, what a decoded cache must have been made for (None: no cache for this run).
+    cache_keys: Mapping[str, str] | None = None
+    caches: Mapping[str, decoded_cache.DecodedCache] = field(default_factory=dict)
 
     def split(self, name: str) -> folder.Split:
         return self.index.train if name == "train" else self.index.test
+
+    def with_keys(self) -> FolderData:
+        """The same, with every split's cache key (a ``stat`` of each file)."""
+        keys = {name: decoded_cache.split_key(self.split(name).root, self.split(name).paths,
+                                              self.index.shape, self.index.max_pixels)
+                for name in SPLITS}
+        return replace(self, cache_keys=keys)
+
+    def with_caches(self, directory: str, say: Callable[[str], None]) -> FolderData:
+        """The same, each split's cache file opened (made where there is none) in ``directory``;
+        a split without one (said through ``say``, once) decodes as before."""
+        if self.cache_keys is None:
+            return self
+        caches = {}
+        for name in SPLITS:
+            part = self.split(name)
+            cache = decoded_cache.open_split(directory, self.index.root, name, self.cache_keys[name],
+                                             len(part.labels), self.index.shape, say)
+            if cache is None:
+                break  # the same reason would stop the other split: said once
+            caches[name] = cache
+        return replace(self, caches=caches)
+
+    def cached_share(self, split: str, indices: np.ndarray) -> float:
+        """The share of ``indices`` whose pixels are in the split's cache (0 without one)."""
+        cache = self.caches.get(split)
+        if cache is None or not len(indices):
+            return 0.0
+        return float(cache.filled(np.asarray(indices, np.int64)).mean())
 
     def to_plain(self) -> dict[str, Any]:
         """Plain data (the paths and labels as arrays) that rank 0 sends the other ranks
         (:mod:`ringtrain.training.wire`), so that every rank shards the same list."""
         index = self.index
         return {"info": {**self.info.record(), "name": self.info.name},
+                "cache_keys": None if self.cache_keys is None else dict(self.cache_keys),
                 "index": {"root": index.root, "classes": list(index.classes),
                           "shape": list(index.shape), "max_pixels": index.max_pixels,
                           **{name: {"root": part.root, "paths": part.paths, "labels": part.labels}
@@ -152,6 +196,9 @@ class FolderData:
         try:
             info, index = plain["info"], plain["index"]
             norm = info["normalization"]
+            keys = plain.get("cache_keys")
+            if keys is not None:
+                keys = {name: str(keys[name]) for name in SPLITS}
             splits = {}
             for name in ("train", "test"):
                 part = index[name]
@@ -171,7 +218,8 @@ class FolderData:
                        folder.FolderIndex(str(index["root"]), tuple(str(c) for c in index["classes"]),
                                           splits["train"], splits["test"],
                                           tuple(int(n) for n in index["shape"]),
-                                          int(index["max_pixels"])))
+                                          int(index["max_pixels"])),
+                       keys)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"not a folder's index ({type(err).__name__}: {err})") from None
         if len(data.info.input_shape) != 3 or len(data.index.shape) != 3:
@@ -184,14 +232,22 @@ class FolderData:
         (:mod:`ringtrain.training.divergence`), naming the file."""
         part = self.split(split)
         shape = self.info.input_shape
-        pixels = np.empty((len(indices), *shape), np.uint8)
+        cache = self.caches.get(split)
+        if cache is not None:  # the rows in the cache at once; only the others are decoded
+            pixels, done = cache.gather(indices)
+        else:
+            pixels, done = np.empty((len(indices), *shape), np.uint8), np.zeros(len(indices), bool)
         problem, bad = None, []
-        for row, i in enumerate(indices):
+        for row in np.flatnonzero(~done):
+            i = int(indices[row])
             try:
-                pixels[row] = images.load(part.path(int(i)), shape, self.index.max_pixels)
+                pixels[row] = images.load(part.path(i), shape, self.index.max_pixels)
             except images.ImageError as err:
                 problem = problem or f"{err.path} is not a readable image ({err.reason})"
                 bad.append(row)
+                continue
+            if cache is not None:
+                cache.put(i, pixels[row])
         x = self.info.normalization.apply(pixels)
         x[bad] = np.nan
         return x, part.labels[indices], problem
@@ -230,7 +286,8 @@ def open_builtin(args: argparse.Namespace, download: bool = True) -> ArrayData |
         norm = Normalization(mean, std, f"computed from {sample} training images")
     info = DataInfo(args.data, "folder", index.shape, len(index.classes), index.classes,
                     len(index.train.labels), len(index.test.labels), norm)
-    return FolderData(info, index)
+    data = FolderData(info, index)
+    return data if args.no_decode_cache else data.with_keys()
 
 
 def check_world(args: argparse.Namespace, info: DataInfo, world_size: int) -> None:

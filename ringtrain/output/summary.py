@@ -66,6 +66,7 @@ class Summary:
     model: str = "cnn"  # --model: a built-in name or the user's package.module:function
     dataset: str = "mnist"
     data: dict[str, Any] | None = None  # --data: spec, input shape, classes, sizes, normalisation
+    autotune: dict[str, Any] | None = None  # --autotune: samples, finished, the chosen parameters
     strategy: str = "ring"  # --strategy
     # --strategy ps: servers, workers, staleness; the staleness histogram (server updates each
     # applied gradient was behind), updates/s and bytes per step of each server, each worker's

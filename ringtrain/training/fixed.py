@@ -135,6 +135,8 @@ class FixedRun:
         self.summary.epochs.append(rec)
         self.progress.epoch(rec)
         checkpoint.save_if_due(self.args, self.run.writes_checkpoints, epoch, self.run.save)
+        if self.run.tools is not None:
+            self.run.tools.keep_log(self.world.rank)  # --autotune: rank 0's log, so far
         return rec
 
     def finish(self) -> Summary:
@@ -143,6 +145,8 @@ class FixedRun:
         last = self.summary.epochs[-1] if self.summary.epochs else None
         test = ((last.test_loss, last.test_accuracy) if last
                 else exact_test_metrics(self.world, self.run.eval_sums()))
+        if self.run.tools is not None:  # --autotune: what Horovod chose, said and kept by rank 0
+            self.summary.autotune = self.run.tools.finish(self.world.rank, self.progress.info)
         for name, value in self.run.summary_fields().items():
             setattr(self.summary, name, value)
         return summaries.finish(self.world, self.progress, self.args, self.summary, test=test,

@@ -25,6 +25,7 @@ import numpy as np
 
 from ringtrain import model_spec
 from ringtrain.data.dataset import DataInfo
+from ringtrain.horovod_tools import HorovodTools
 from ringtrain.lr import scaled_lr
 from ringtrain.output.progress import Loss
 from ringtrain.training.world import World
@@ -74,6 +75,9 @@ class FrameworkRun(ABC):
     args: argparse.Namespace
     world: World
     identity: RunIdentity
+    # --timeline-out, --autotune: set by the ring's run objects (TorchRun, KerasRun); a pipeline
+    # and --strategy ps refuse the flags (ringtrain.flags)
+    tools: HorovodTools | None = None
 
     # --- who reads which data, and the LR rule's world size ------------------------------------
 

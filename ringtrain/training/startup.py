@@ -8,15 +8,19 @@ so a problem ends every rank with the same one line instead of leaving some wait
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-from ringtrain import flags
+from ringtrain import flags, horovod_tools
 from ringtrain.data import dataset as datasets
+from ringtrain.data import decoded_cache
 from ringtrain.data.dataset import ArrayData, FolderData
 from ringtrain.errors import UserError
 from ringtrain.faults import watchdog
 from ringtrain.output import checkpoint, files
+from ringtrain.runtime import first_on_this_host
 from ringtrain.training.world import Collectives, World
 
 T = TypeVar("T")
@@ -49,6 +53,8 @@ def check_output_folders(world: World | None, args: argparse.Namespace, param_co
                 param_count, args.momentum))
         if args.tensorboard:
             files.ensure_writable(args.tensorboard, "--tensorboard")
+        for flag, path in horovod_tools.output_files(args):  # --timeline-out, --autotune's log
+            files.ensure_writable(os.path.dirname(os.path.abspath(path)), flag)
 
     if world is None:
         check()
@@ -67,7 +73,7 @@ def open_data(world: World | None, args: argparse.Namespace) -> ArrayData | Fold
     never be matched by a worker that joins later.
     """
     if world is None:
-        return datasets.open_builtin(args)
+        return with_decode_cache(args, datasets.open_builtin(args))
     opened: dict[str, ArrayData | FolderData | None] = {}
 
     def rank0() -> dict | None:
@@ -76,9 +82,22 @@ def open_data(world: World | None, args: argparse.Namespace) -> ArrayData | Fold
 
     shared = world.rank0_verdict(rank0, None, "data")
     if world.rank == 0:
-        return opened["data"]
-    return FolderData.from_plain(shared) if shared is not None else datasets.open_builtin(
-        args, download=False)
+        return with_decode_cache(args, opened["data"])
+    return with_decode_cache(args, FolderData.from_plain(shared)) if shared is not None \
+        else datasets.open_builtin(args, download=False)
+
+
+def with_decode_cache(args: argparse.Namespace, data: ArrayData | FolderData | None):
+    """A folder's data with this host's decoded cache opened (``--decode-cache``); where there
+    can be none, the host's first rank says why in one warning line and the run decodes."""
+    if not isinstance(data, FolderData) or args.no_decode_cache:
+        return data
+
+    def warn(message: str) -> None:
+        if first_on_this_host():
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    return data.with_caches(decoded_cache.cache_dir(args.decode_cache), warn)
 
 
 def every_rank(world: World | None, work: Callable[[], T]) -> T:
