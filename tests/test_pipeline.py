@@ -4,7 +4,7 @@ in both frameworks (docs/pipeline.md, docs/correctness.md rows 10-13).
 The runs are float64 (``--model pipeline_models:{torch,tf}_cnn64``: the built-in CNN's layers in
 float64), SGD with momentum 0.9, no dropout, file-order data, fixed LR, so that S stages x M
 micro-batches x R replicas with per-replica batch B after k steps equal one process with batch
-R x B to float64 rounding, not float32's.  Measured (2026-11-28): torch differs by 3e-17, TF by
+R x B to float64 rounding, not float32's.  Measured: torch differs by 3e-17, TF by
 2e-10 (its float32 input pipeline normalises MNIST in graph ops for model.fit, in NumPy for the
 pipeline).  A real bug moves weights by an update, ~1e-3.
 
