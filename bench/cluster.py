@@ -187,8 +187,8 @@ class Cluster:
         self.profile = "unshaped"
 
     def env(self, **extra: str) -> dict[str, str]:
-        return self.hosts.env(util.base_env(OMPI_MCA_mpi_yield_when_idle="1", OMP_NUM_THREADS="1",
-                                            **extra))
+        return self.hosts.env(util.base_env(**{"OMPI_MCA_mpi_yield_when_idle": "1",
+                                               "OMP_NUM_THREADS": "1", **extra}))
 
     def host_list(self, n: int, slots: int) -> str:
         return ",".join(f"{h.name}:{slots}" for h in self.hosts.hosts[:n])
