@@ -159,7 +159,7 @@ def test_pipeline_part(tmp_path):
         assert all(r["ok"] for r in link["rows"]), link["rows"]
         for r in link["rows"]:  # the kernel counted at least what the formula says crosses
             assert min(r["tx_per_step"], r["rx_per_step"]) >= r["formula_each_way"]
-    assert "## 9. Model parallelism" in md
+    assert "## 10. Model parallelism" in md
 
 
 def test_floor_part(tmp_path):
