@@ -195,7 +195,7 @@ class Cluster:
 
     def horovodrun(self, n: int, slots: int, inner: list[str], gloo: bool, flags=()) -> list[str]:
         return [str(util.BIN / "horovodrun"), *(["--gloo"] if gloo else []), "-np", str(n * slots),
-                "-H", self.host_list(n, slots), "--network-interfaces", IFACE,
+                "-H", self.host_list(n, slots), "--network-interfaces", self.hosts.iface,
                 "--ssh-identity-file", str(self.hosts.identity_file), "--disable-cache",
                 "--start-timeout", "120", *flags, *inner]
 
@@ -205,7 +205,8 @@ class Cluster:
                     "TF_CPP_MIN_LOG_LEVEL", *env]
         return ["mpirun", "--allow-run-as-root", "-np", str(n * slots), "-H", self.host_list(n, slots),
                 "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib",
-                "-mca", "btl_tcp_if_include", IFACE, "-mca", "oob_tcp_if_include", IFACE,
+                "-mca", "btl_tcp_if_include", self.hosts.iface,
+                "-mca", "oob_tcp_if_include", self.hosts.iface,
                 "-mca", "plm_rsh_args", f"-i {self.hosts.identity_file}",
                 *[a for v in exported for a in ("-x", v)], *inner]
 
@@ -228,7 +229,8 @@ class Cluster:
                     envs.append(self.env(**env, RANK=str(rank), BENCH_RANK=str(rank),
                                          WORLD_SIZE=str(n * slots), LOCAL_RANK=str(rank % slots),
                                          LOCAL_WORLD_SIZE=str(slots),
-                                         MASTER_ADDR=head.addr, MASTER_PORT=port, GLOO_SOCKET_IFNAME=IFACE))
+                                         MASTER_ADDR=head.addr, MASTER_PORT=port,
+                                         GLOO_SOCKET_IFNAME=self.hosts.iface))
                 return util.run_parallel(cmds, envs, timeout=self.timeout, log=log)
             if launcher == "mpirun":
                 cmd = self.mpirun(n, slots, inner, env)
@@ -277,7 +279,7 @@ class Cluster:
         inner = [*wrap, util.PY, "-m", "bench.coll_worker", "--impl", coll.worker,
                  "--sizes", ",".join(map(str, cfg.coll_sizes)), "--warmup", str(cfg.coll_warmup),
                  "--reps", str(cfg.coll_reps), "--budget", str(cfg.coll_budget_s),
-                 "--out", str(res_path), "--count-iface", IFACE]
+                 "--out", str(res_path), "--count-iface", self.hosts.iface]
         util.say(f"{name} ...")
         res = self.run(name, coll.launcher, n, slots, inner, coll.flags, dict(coll.env))
         rec = {"profile": self.profile, "impl": impl_name, "hosts": n, "slots": slots, "ranks": n * slots,

@@ -239,11 +239,7 @@ def link(runner: Runner, out: Path) -> dict:
     cfg = runner.cfg
     batch = cfg.batch
     try:
-        # two hosts on one veth pair, named and addressed as bench.cluster's launch lines expect
-        # (its --network-interfaces; two_hosts' own interface name is another)
-        with netns_hosts.make_hosts(("rtc-pa", "rtc-pb"), prefix=cluster.PREFIX, subnet="10.253.0",
-                                    iface=cluster.IFACE, topology="pair", roles=("a", "b"),
-                                    hostnames=True) as hosts:
+        with netns_hosts.two_hosts() as hosts:
             lab = cluster.Cluster(hosts, out, cfg.timeout_s)
 
             def launch(name, inner, extra):
