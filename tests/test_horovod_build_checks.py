@@ -89,6 +89,13 @@ def test_a_damaged_file_is_asked_past(tmp_path, asked, damage):
     assert "the extension was asked" in checks(tmp_path, asking=False).stderr
 
 
+def test_a_fifo_in_the_files_place_does_not_hang_horovodrun(tmp_path, asked):
+    path = holding(tmp_path, asked)
+    path.unlink()
+    os.mkfifo(path)  # open() for reading would wait for a writer for ever
+    assert "the extension was asked" in checks(tmp_path, asking=False).stderr
+
+
 def test_a_planted_link_is_neither_read_nor_followed(tmp_path, asked):
     path = holding(tmp_path, asked)
     target = tmp_path / "elsewhere.json"
