@@ -13,8 +13,10 @@ under ``<out>/tmp/data/`` and removed at the end.
   RSS (``VmHWM``, :mod:`bench.procs`), next to the size of the file-name list the rank holds.
 * **Throughput**: per model (the built-in CNN, torchvision's ResNet-18) and -np, back to back and
   in alternating order round after round: the bench loop on one fixed in-memory batch of the
-  folder's shape (``fixed``: no input pipeline), the real trainer on the folder (its 2nd epoch),
-  and the bench loop reading the folder through the trainer's own pipeline (``folder``: rank and
+  folder's shape (``fixed``: no input pipeline), the real trainer on the folder (its 2nd epoch:
+  the first decodes every image into a decoded cache of the job's own, the second reads it), the
+  same trainer with ``--no-decode-cache`` (every epoch decodes), and the bench loop reading the
+  folder through the trainer's own pipeline (``folder``: rank and
   worker cores busy during the timed steps); for the CNN, that loop again with other
   ``--workers`` counts.
 """
@@ -49,7 +51,9 @@ class Model:
     test: int
     loop_warmup: int  # bench loop: untimed steps, then timed steps
     loop_steps: int
-    trainer_steps: int  # trainer: --max-steps of each of its 2 epochs (the 2nd is timed)
+    # trainer: --max-steps of each of its 2 epochs (the 2nd is timed); None: whole epochs, so that
+    # the first decodes every image of the rank's shards into the cache the second reads
+    trainer_steps: int | None
     sweep: bool = False  # also the folder loop at every count in DataConfig.sweep_workers
     frameworks: tuple[str, ...] = ("torch", "tf")  # ResNet-18 is torchvision's: PyTorch only
 
@@ -80,15 +84,15 @@ class DataConfig:
 
 def full(frameworks: list[str] | None = None) -> DataConfig:
     return DataConfig("full", frameworks=frameworks or ["torch"], models=[
-        Model("cnn", "cnn", 32, 8000, 500, 10, 50, 50, sweep=True),
-        Model("resnet18", RESNET, 64, 3000, 300, 2, 10, 10, frameworks=("torch",))])
+        Model("cnn", "cnn", 32, 8000, 500, 10, 50, None, sweep=True),
+        Model("resnet18", RESNET, 64, 3000, 300, 2, 10, None, frameworks=("torch",))])
 
 
 def quick(frameworks: list[str] | None = None) -> DataConfig:
     """A few minutes: one round, no --workers sweep, a 20x memory ratio instead of 40x."""
     return DataConfig("quick", frameworks=frameworks or ["torch"], rounds=1, models=[
-        Model("cnn", "cnn", 32, 2000, 200, 5, 20, 20),
-        Model("resnet18", RESNET, 64, 600, 100, 2, 4, 4, frameworks=("torch",))],
+        Model("cnn", "cnn", 32, 2000, 200, 5, 20, None),
+        Model("resnet18", RESNET, 64, 600, 100, 2, 4, None, frameworks=("torch",))],
         memory_sizes=(2000, 40000), memory_np=1, memory_steps=10, memory_rounds=1,
         decode_images=500, timeout_s=300)
 
@@ -97,7 +101,7 @@ def smoke(frameworks: list[str] | None = None) -> DataConfig:
     """The smallest size, for tests/test_bench_data.py: every kind of run once, at -np 1, one
     step; the numbers mean nothing."""
     return DataConfig("smoke", frameworks=frameworks or ["torch"], batch=8, nps=[1], rounds=1,
-                      models=[Model("cnn", "cnn", 16, 24, 6, 1, 1, 1)],
+                      models=[Model("cnn", "cnn", 16, 24, 6, 1, 1, None)],
                       memory_sizes=(24, 48), memory_test=6, memory_distinct=6, memory_np=1,
                       memory_steps=1, memory_rounds=1, memory_image_size=16, decode_images=12,
                       eval_images=6, timeout_s=120)
@@ -117,6 +121,7 @@ class Job:
     round: int
     workers: int | None = None  # --workers given (None: the trainers' default)
     folder_key: str = ""
+    cache: bool = True  # trainer: a decoded cache of the job's own (False: --no-decode-cache)
 
 
 def load_average() -> list[float] | None:
@@ -168,12 +173,16 @@ def decode_costs(cfg: DataConfig, folders: dict, work: Path) -> list[dict]:
     return out
 
 
-def _trainer_args(cfg: DataConfig, path: str, spec: str, epochs: int, steps: int, test: int,
-                  workers: int | None, metrics: Path) -> list[str]:
-    args = ["--data", f"folder:{path}", "--model", spec, "--epochs", str(epochs), "--max-steps",
-            str(steps), "--batch-size", str(cfg.batch), "--test-samples", str(test),
-            "--no-progress", "--metrics-out", str(metrics)]
-    return args + (["--workers", str(workers)] if workers is not None else [])
+def _trainer_args(cfg: DataConfig, path: str, spec: str, epochs: int, steps: int | None, test: int,
+                  job: Job, work: Path) -> list[str]:
+    # Each job decodes into a cache folder of its own (removed with the job's folder): another
+    # run's file would let the first epoch read instead of decode.
+    args = ["--data", f"folder:{path}", "--model", spec, "--epochs", str(epochs),
+            "--batch-size", str(cfg.batch), "--test-samples", str(test),
+            "--no-progress", "--metrics-out", str(work / "metrics.json")]
+    args += ["--max-steps", str(steps)] if steps is not None else []
+    args += ["--decode-cache", str(work / "decoded")] if job.cache else ["--no-decode-cache"]
+    return args + (["--workers", str(job.workers)] if job.workers is not None else [])
 
 
 def command(cfg: DataConfig, job: Job, folders: dict, models: dict[str, Model],
@@ -181,11 +190,11 @@ def command(cfg: DataConfig, job: Job, folders: dict, models: dict[str, Model],
     m = models.get(job.model)
     if job.kind == "trainer" and job.folder_key.startswith("mem-"):
         args = _trainer_args(cfg, folders[job.folder_key]["path"], "cnn", 1, cfg.memory_steps,
-                             cfg.memory_test, job.workers, work / "metrics.json")
+                             cfg.memory_test, job, work)
         return util.horovodrun(job.np, util.rank_exec(TRAINER_MODULES[job.framework], args))
     if job.kind == "trainer":
         args = _trainer_args(cfg, folders[job.folder_key]["path"], m.spec, 2, m.trainer_steps,
-                             cfg.eval_images, job.workers, work / "metrics.json")
+                             cfg.eval_images, job, work)
         return util.horovodrun(job.np, util.rank_exec(TRAINER_MODULES[job.framework], args))
     args = ["--wrapper", "horovod", "--model", m.spec, "--batch-size", str(cfg.batch),
             "--warmup-steps", str(m.loop_warmup), "--steps", str(m.loop_steps),
@@ -210,13 +219,17 @@ def execute(cfg: DataConfig, job: Job, folders: dict, models: dict[str, Model], 
     res = util.run(command(cfg, job, folders, models, work), env=env, timeout=cfg.timeout_s,
                    log=work / "output.log")
     ranks = rank_records(work)
+    cache = work / "decoded"  # what the job's cache held at its end, then gone (200,000 rows: 0.6 GB)
+    cache_bytes = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) if cache.is_dir() else 0
+    shutil.rmtree(cache, ignore_errors=True)
     record: dict[str, Any] = {**asdict(job), "ok": res.ok, "load_1min_at_start": load[0] if load else None,
                               "wall_seconds": round(res.seconds, 1),
                               "workers_used": (job.workers if job.workers is not None
                                                else default_workers(job.framework, job.np))
                               if job.data == "folder" else None,
                               "peak_rss_mib": [round(r["peak_rss_mib"], 1) for r in ranks],
-                              "ranks": [rank_memory(r) for r in ranks], "images_per_second": None}
+                              "ranks": [rank_memory(r) for r in ranks], "images_per_second": None,
+                              "decoded_cache_bytes": cache_bytes}
     if res.ok and job.kind == "trainer":
         summary = util.read_json(work / "metrics.json")
         record["images_per_second"] = summary["epochs"][-1]["images_per_second"]
@@ -277,9 +290,9 @@ def default_workers(fw: str, n: int) -> int:
 
 
 def throughput_jobs(cfg: DataConfig, fw: str) -> list[Job]:
-    """Per model and -np, round after round: fixed, trainer, folder loop, then the other way
-    round (ABC CBA: a drift in the machine's load hits every side alike); the --workers sweep of
-    the folder loop in the first round."""
+    """Per model and -np, round after round: fixed, trainer, trainer without the decoded cache,
+    folder loop, then the other way round (ABCD DCBA: a drift in the machine's load hits every
+    side alike); the --workers sweep of the folder loop in the first round."""
     jobs = []
     for m in cfg.models:
         if fw not in m.frameworks:
@@ -291,6 +304,8 @@ def throughput_jobs(cfg: DataConfig, fw: str) -> list[Job]:
                 sides = [Job(f"{fw}/loop/fixed/{m.name}/np{n}/r{r}", fw, "loop", "fixed", m.name, n, r),
                          Job(f"{fw}/trainer/folder/{m.name}/np{n}/r{r}", fw, "trainer", "folder",
                              m.name, n, r, folder_key=key),
+                         Job(f"{fw}/trainer/folder-nocache/{m.name}/np{n}/r{r}", fw, "trainer", "folder",
+                             m.name, n, r, folder_key=key, cache=False),
                          Job(f"{fw}/loop/folder/{m.name}/np{n}/r{r}", fw, "loop", "folder", m.name, n, r,
                              folder_key=key)]
                 jobs += sides if r % 2 else sides[::-1]

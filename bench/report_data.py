@@ -56,6 +56,7 @@ def memory_summary(data: dict, fw: str) -> dict[int, dict[str, Any]]:
                   "workers": _mean([max(w) for w in workers if w]),
                   "workers_uss": _mean([max(w) for w in uss if w]),
                   "workers_count": sorted({q["workers"] for r in runs for q in r["ranks"]}),
+                  "cache": _mib(_mean([r.get("decoded_cache_bytes") for r in runs])),
                   "server": _mean([_largest(r, "forkserver_peak_rss_mib") for r in runs]),
                   "server_uss": _mean([_largest(r, "forkserver_max_uss_mib") for r in runs]),
                   "list_mib": _mib(data["folders"].get(f"mem-{n}", {}).get("list_bytes"))}
@@ -78,15 +79,19 @@ def memory_verdict(data: dict, fw: str) -> dict[str, Any] | None:
 def throughput_rows(data: dict, fw: str, model: str, n: int) -> dict[str, Any]:
     runs = data.get("throughput", [])
     fixed = _ok(runs, framework=fw, model=model, np=n, kind="loop", data="fixed")
-    trainer = _ok(runs, framework=fw, model=model, np=n, kind="trainer", data="folder", workers=None)
+    trainers = _ok(runs, framework=fw, model=model, np=n, kind="trainer", data="folder", workers=None)
+    trainer = [r for r in trainers if r.get("cache", True)]  # runs before the cache had none
+    nocache = [r for r in trainers if not r.get("cache", True)]
     loop = _ok(runs, framework=fw, model=model, np=n, kind="loop", data="folder", workers=None)
     f = _mean([r["images_per_second"] for r in fixed])
     t = _mean([r["images_per_second"] for r in trainer])
+    tn = _mean([r["images_per_second"] for r in nocache])
     lp = _mean([r["images_per_second"] for r in loop])
     per_round = [_ratio(tr["images_per_second"], fx["images_per_second"])
                  for tr in trainer for fx in fixed if tr["round"] == fx["round"]]
     workers = sorted({r["workers_used"] for r in trainer + loop if r.get("workers_used") is not None})
     return {"fixed": f, "trainer": t, "loop": lp, "trainer_ratio": _ratio(t, f), "loop_ratio": _ratio(lp, f),
+            "nocache": tn, "nocache_ratio": _ratio(tn, f),
             "per_round": per_round, "workers": workers,
             "fixed_busy": _mean([r.get("rank0_cores_busy") for r in fixed]),
             "loop_busy": _mean([r.get("rank0_cores_busy") for r in loop]),
@@ -138,8 +143,9 @@ def section(res: dict) -> list[str]:
               + ". The folders are JPEG pictures written for the run and deleted after it (a filled "
               "circle, square or triangle, one class each, of random size, position and colour on a "
               "random background: `tests/image_folders.py`). Trainer flags: `--data folder:DIR "
-              f"--batch-size {cfg['batch']}`, the model's, `--max-steps`, default `--workers` (the "
-              "cores a rank has), under `horovodrun -np N`.", ""]
+              f"--batch-size {cfg['batch']}`, the model's, `--max-steps` where given, default `--workers` "
+              "(the cores a rank has), a decoded cache of the job's own (`--decode-cache DIR`) unless "
+              "it says *no cache*, under `horovodrun -np N`.", ""]
     lines += _memory(data, rx)
     lines += _throughput(data, rx)
     lines += _sweep(data, rx)
@@ -169,7 +175,9 @@ def _memory(data: dict, rx) -> list[str]:
              "USS (its private pages: what it adds to the machine; its RSS also counts the library "
              "pages it shares); the *fork server* they are forked from holds PyTorch once per rank. "
              "*File-name list*: the bytes of the paths and labels arrays a rank keeps "
-             "(`ringtrain/data/folder.py`).", ""]
+             "(`ringtrain/data/folder.py`). *Decoded cache*: the bytes of the host's cache files (both "
+             "splits), a row per image, allocated whole when made and mapped by every rank and worker "
+             "(a rank's RSS counts only the pages it touches; `n/a`: a run before the cache).", ""]
     found = False
     for fw in cfg["frameworks"]:
         mem = memory_summary(data, fw)
@@ -179,11 +187,13 @@ def _memory(data: dict, rx) -> list[str]:
         rows = []
         for n, m in mem.items():
             rows.append([f"{n:,}", f"{1024 * m['list_mib']:.0f}" if m["list_mib"] is not None else "n/a",
+                         num(m["cache"], "{:.0f}"),
                          str(len(m["runs"])), " / ".join(f"{v:.0f}" for v in m["rank_peaks"]), num(m["rank"]),
                          ", ".join(str(c) for c in m["workers_count"]), num(m["workers"]),
                          num(m["workers_uss"]), f"{num(m['server'])} / {num(m['server_uss'])}"])
         lines += [f"**{FW_NAMES[fw]}**", "",
-                  table(["training images", "file-name list KiB", "runs", "rank peak RSS MiB (each run)",
+                  table(["training images", "file-name list KiB", "decoded cache MiB", "runs",
+                         "rank peak RSS MiB (each run)",
                          "mean", "workers seen per rank", "worker peak RSS MiB", "worker USS MiB",
                          "fork server peak RSS / USS MiB"], rows), ""]
         verdict = memory_verdict(data, fw)
@@ -207,8 +217,11 @@ def _throughput(data: dict, rx) -> list[str]:
              "`--data synthetic`, the model and the folder's shape: one batch made once, no input "
              "pipeline, Horovod (`DistributedOptimizer`; TensorFlow: its grouped allreduce), the "
              "same threads per rank. *Trainer*: `launch.torch_mnist` / `launch.tf_mnist` with "
-             "`--data folder:DIR`, its 2nd epoch of `--max-steps` steps (the first starts the "
-             "pipeline and, in TensorFlow, traces). *Folder loop*: the same loop as *fixed batch*, "
+             "`--data folder:DIR`, its 2nd epoch (the first starts the pipeline, in TensorFlow "
+             "traces, and decodes every image of the rank's shards into the decoded cache, a "
+             "folder of the job's own; the 2nd reads the cache: `ringtrain/data/decoded_cache.py`). "
+             "*No cache*: the same trainer with `--no-decode-cache`, every epoch decoding. "
+             "*Folder loop*: the same loop as *fixed batch*, "
              "reading the folder through the trainer's own input pipeline (PyTorch: the DataLoader "
              "of `torch_models/data.py`; TensorFlow: the `tf.data` pipeline of `tf_models/data.py`); "
              "*cores busy* are rank 0's process CPU seconds (TensorFlow's decode threads included) "
@@ -225,6 +238,7 @@ def _throughput(data: dict, rx) -> list[str]:
                 rows.append([str(n), ", ".join(map(str, r["workers"])) or "n/a", num(r["fixed"], "{:.1f}"),
                              num(r["trainer"], "{:.1f}"), rx(r["trainer_ratio"]),
                              " / ".join(rx(v) for v in r["per_round"]) or "n/a",
+                             num(r["nocache"], "{:.1f}"), rx(r["nocache_ratio"]),
                              num(r["loop"], "{:.1f}"), rx(r["loop_ratio"]),
                              num(r["fixed_busy"], "{:.2f}"),
                              f"{num(r['loop_busy'], '{:.2f}')} + {num(r['loop_workers_busy'], '{:.2f}')}"])
@@ -240,9 +254,11 @@ def _throughput(data: dict, rx) -> list[str]:
             lines += [f"**{FW_NAMES[fw]}, {MODEL_NAMES.get(m['name'], m['spec'])}**, "
                       f"{m['image_size']}x{m['image_size']} RGB, {m['train']:,} training images, "
                       f"loop {m['loop_warmup']} + {m['loop_steps']} timed steps, trainer "
-                      f"`--max-steps {m['trainer_steps']}`:", "",
+                      + (f"`--max-steps {m['trainer_steps']}`:" if m.get("trainer_steps") is not None
+                         else "whole epochs:"), "",
                       table(["-np", "workers per rank", "fixed batch img/s", "trainer on folder img/s",
-                             "trainer / fixed", "per round", "folder loop img/s", "folder loop / fixed",
+                             "trainer / fixed", "per round", "no cache img/s", "no cache / fixed",
+                             "folder loop img/s", "folder loop / fixed",
                              "cores busy, fixed (rank 0)", "cores busy, folder loop (rank 0 + its workers)"],
                             rows), ""]
             if verdicts:
@@ -326,13 +342,16 @@ def _where(data: dict, rx) -> list[str]:
             for n in cfg["nps"]:
                 r = throughput_rows(data, fw, m["name"], n)
                 bound = cores_bound(data, r, n, cost)
-                if r["trainer"] is None or cost is None:
+                # the bound holds for a trainer that decodes every image: the no-cache one, where
+                # the run has it (runs before the cache had only that trainer)
+                decoding = r["nocache"] if r["nocache"] is not None else r["trainer"]
+                if decoding is None or cost is None:
                     continue
                 rows.append([f"{FW_NAMES[fw]}, {m['name']}", str(n), num(r["fixed"], "{:.1f}"),
                              num(None if r["fixed_busy"] is None else r["fixed_busy"] * n, "{:.2f}"),
-                             f"{cost * 1e6:.0f}", num(r["trainer"] * cost, "{:.2f}"),
-                             num(bound, "{:.1f}"), rx(_ratio(bound, r["fixed"])), num(r["trainer"], "{:.1f}"),
-                             rx(_ratio(r["trainer"], bound))])
+                             f"{cost * 1e6:.0f}", num(decoding * cost, "{:.2f}"),
+                             num(bound, "{:.1f}"), rx(_ratio(bound, r["fixed"])), num(decoding, "{:.1f}"),
+                             rx(_ratio(decoding, bound))])
     if not rows:
         return []
     return ["### 8.5 Where the time goes", "",
@@ -341,10 +360,12 @@ def _where(data: dict, rx) -> list[str]:
             "-np, 8.2); every image also costs c CPU seconds to read (8.4: PyTorch's *worker's "
             "item*, TensorFlow's *batch read*). At "
             "R images/s the two need R x (K / F + c) cores, so **R <= cores / (K / F + c)**: the "
-            "*cores bound*. *Decoding at the trainer's rate* = trainer img/s x c, in cores. Where "
+            "*cores bound* of a trainer that decodes every image (the *no cache* trainer of 8.2; "
+            "the decoded cache takes c out of later epochs). *Decoding at the trainer's rate* = "
+            "trainer img/s x c, in cores. Where "
             "the bound is below the target, no worker count can reach it on these cores; where the "
             "trainer is below the bound, the rest is waiting (workers and training threads "
             "preempting each other, the pipeline's fill at each epoch's start).", "",
             table(["framework, model", "-np", "fixed batch F img/s", "K cores", "c us",
                    "decoding at the trainer's rate, cores", "cores bound img/s", "bound / F",
-                   "trainer img/s", "trainer / bound"], rows), ""]
+                   "no-cache trainer img/s", "trainer / bound"], rows), ""]

@@ -32,6 +32,12 @@ def test_data_part_runs_end_to_end_at_the_smallest_size(tmp_path, framework):
                                                                    ("loop", "folder")}
     assert all(r["images_per_second"] > 0 and r["peak_rss_mib"] and min(r["peak_rss_mib"]) > 0 for r in runs)
     assert {r["framework"] for r in runs} == {framework}
+    # the trainer ran with a decoded cache of the job's own (a file was made, and removed after
+    # the job) and again with --no-decode-cache (none made)
+    trainers = [r for r in runs if r["kind"] == "trainer"]
+    assert sorted(r["cache"] for r in data["throughput"] if r["kind"] == "trainer") == [False, True]
+    assert all((r["decoded_cache_bytes"] > 0) == r["cache"] for r in trainers), trainers
+    assert not list((tmp_path / "tmp" / "data" / "runs").glob("*/decoded"))
     # the folders of both memory sizes were read by the trainer, through PyTorch's DataLoader
     # workers (started from a fork server).  The workers themselves are sampled every 0.5 s
     # (bench/procs.py), which a smoke run's workers can outlive or not, depending on the machine:
