@@ -12,6 +12,7 @@ from pathlib import Path
 from bench import (
     figures,
     metrics,
+    report_builds,
     report_cluster,
     report_data,
     report_floor,
@@ -377,10 +378,18 @@ def profile(res: dict) -> list[str]:
 
 
 def render(res: dict) -> str:
-    parts = [intro(res), machine(res), limits(res), throughput(res), horovod_cost(res), peers(res),
-             collectives(res), accuracy(res), report_cluster.section(res),
-             report_floor.section(res), report_data.section(res), report_ps.section(res),
-             report_pipeline.section(res), profile(res)]
+    now = report_builds.current(res, PARTS)
+
+    def dated(lines: list[str], part: str) -> list[str]:
+        return report_builds.stamp(lines, res, part, now)
+
+    parts = [intro(res), machine(res), limits(res),
+             dated(throughput(res), "throughput"), dated(horovod_cost(res), "throughput"),
+             dated(peers(res), "throughput"), dated(collectives(res), "collectives"),
+             dated(accuracy(res), "accuracy"), dated(report_cluster.section(res), "cluster"),
+             dated(report_floor.section(res), "floor"), dated(report_data.section(res), "data"),
+             dated(report_ps.section(res), "ps"), dated(report_pipeline.section(res), "pipeline"),
+             profile(res)]
     return "\n".join(line for part in parts for line in part).rstrip() + "\n"
 
 

@@ -419,3 +419,39 @@ def test_cells_sizes_and_summary():
     assert by_mode["plain"]["max_busiest_run_of_wall"] == [0.5, 0.5]
     assert by_mode["plain"]["max_busiest_wait_of_wall"] == [0.2, 0.2]
     assert by_mode["plain"]["ranks_cores"] == [1.0, 1.0]  # two ranks, each 1 CPU second in 2 s
+
+
+# -- each section's date and build (bench/report_builds.py) ------------------------------------------
+
+OLD, NEW = "0.28.1", "0.28.1+ringtrain.0123456789"
+
+
+def dated_results(quick: bool = False) -> dict:
+    """fake_results with each part's date and build: throughput on an older build, collectives on
+    the newest, accuracy from before parts recorded theirs."""
+    res = fake_results(quick)
+    res["throughput"].update(started="2026-11-23 06:04 UTC", machine={"versions": {"horovod": OLD}})
+    res["collectives"].update(started="2026-11-27 03:12 UTC", machine={"versions": {"horovod": NEW}})
+    res["accuracy"]["started"] = "2026-11-23 08:23 UTC"
+    return res
+
+
+def section_text(md: str, number: str) -> str:
+    """Section ``number`` of the report ("6.1": all of section 6), up to the next section."""
+    start = md.index(f"\n## {number.split('.')[0]}. ")
+    return md[start:md.index("\n## ", start + 1)]
+
+
+def test_a_section_on_an_older_build_says_so_and_one_on_the_newest_does_not():
+    from bench.report import render
+
+    md = render(dated_results())
+    older = (f"**Measured on an older build:** 2026-11-23 06:04 UTC, Horovod `{OLD}`; not rerun on "
+             f"the current build, `{NEW}`.")
+    for number in ("1", "2", "3"):  # the throughput part's three sections
+        lines = section_text(md, number).splitlines()
+        assert lines[3] == older, number  # heading, blank line, the note
+    collectives = section_text(md, "4")
+    assert f"Measured on the current build: 2026-11-27 03:12 UTC, Horovod `{NEW}`." in collectives
+    assert "older build" not in collectives
+    assert "Measured 2026-11-23 08:23 UTC, Horovod build not recorded." in section_text(md, "5")
