@@ -16,6 +16,7 @@ from bench import (
     report_cluster,
     report_data,
     report_floor,
+    report_headline,
     report_pipeline,
     report_ps,
     util,
@@ -383,7 +384,7 @@ def render(res: dict) -> str:
     def dated(lines: list[str], part: str) -> list[str]:
         return report_builds.stamp(lines, res, part, now)
 
-    parts = [intro(res), machine(res), limits(res),
+    parts = [intro(res), report_headline.section(res, now), machine(res), limits(res),
              dated(throughput(res), "throughput"), dated(horovod_cost(res), "throughput"),
              dated(peers(res), "throughput"), dated(collectives(res), "collectives"),
              dated(accuracy(res), "accuracy"), dated(report_cluster.section(res), "cluster"),

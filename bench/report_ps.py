@@ -14,10 +14,14 @@ def accuracy(r: dict) -> str:
     return f"{100 * r['test_accuracy']:.2f}%"
 
 
+def seconds(r: dict) -> str:
+    """9.2's training seconds to the target."""
+    return f"{r['seconds_to_target']:.1f}" if r["seconds_to_target"] is not None else "not reached"
+
+
 def reached(r: dict) -> str:
     """9.2's training seconds to the target, and the epoch that reached it."""
-    return (f"{r['seconds_to_target']:.1f} (epoch {r['epoch_reached']})"
-            if r["seconds_to_target"] is not None else "not reached")
+    return f"{seconds(r)} (epoch {r['epoch_reached']})" if r["seconds_to_target"] is not None else seconds(r)
 
 
 def link_measured(r: dict) -> tuple[float, float, str]:
