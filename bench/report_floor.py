@@ -25,6 +25,13 @@ def loads(fl: dict) -> str:
     return f"{min(vals):.2f}-{max(vals):.2f}"
 
 
+def mpi_over_mpi4py(coll: list[dict], np: int, loop: str, nbytes: int) -> float | None:
+    """7.1's *0.28.1 MPI / mpi4py* and *patched MPI / mpi4py*: Horovod's allreduce time (MPI
+    controller, ``loop``) over mpi4py's for one message size at -np ``np``."""
+    return floor.ratio(floor.seconds_of(coll, np, "horovod-mpi", loop).get(str(nbytes)),
+                       floor.seconds_of(coll, np, "mpi4py", "-").get(str(nbytes)))
+
+
 def collectives(fl: dict, comparing: bool) -> list[str]:
     coll = fl.get("collectives", [])
     lines = []
@@ -40,9 +47,8 @@ def collectives(fl: dict, comparing: bool) -> list[str]:
             cells.append(ms(ref.get(str(k))))
             up = floor.seconds_of(coll, np, "horovod-mpi", "upstream").get(str(k))
             pa = floor.seconds_of(coll, np, "horovod-mpi", "patched").get(str(k))
-            ref_k = ref.get(str(k))
-            cells += [x(floor.ratio(up, ref_k)) if comparing else "-",
-                      x(floor.ratio(pa, ref_k)) if comparing else "-",
+            cells += [x(mpi_over_mpi4py(coll, np, "upstream", k)) if comparing else "-",
+                      x(mpi_over_mpi4py(coll, np, "patched", k)) if comparing else "-",
                       x(floor.ratio(up, pa)) if comparing else "-"]
             rows.append(cells)
         failed = [r for r in coll if r["np"] == np and not r.get("ok")]
@@ -102,12 +108,18 @@ def waits(fl: dict) -> list[str]:
             table(["op", "loop", "wall ms", "CPU ms", "cores held"], rows), ""]
 
 
-def training(fl: dict, comparing: bool) -> list[str]:
+def training_summary(fl: dict) -> list[tuple[str, dict]]:
+    """7.4's rows: (-np, the medians and ratios the part summarised), by -np."""
     summ = fl.get("summary", {}).get("training", {})
+    return sorted(summ.items(), key=lambda kv: int(kv[0]))
+
+
+def training(fl: dict, comparing: bool) -> list[str]:
+    summ = training_summary(fl)
     if not summ:
         return []
     rows = []
-    for np, row in sorted(summ.items(), key=lambda kv: int(kv[0])):
+    for np, row in summ:
         def r(v):
             return x(v) if comparing else "-"
         rows.append([np, num(row["trainer_upstream"]), num(row["trainer_patched"]),

@@ -66,16 +66,21 @@ def _schedules(data: dict, width: int, depth: int, comparing: bool) -> list[str]
                    "computing ms/step, stage 0 / 1"], rows), ""]
 
 
-def _versus(data: dict, comparing: bool) -> list[str]:
+def versus_ratios(data: dict, comparing: bool) -> list[tuple[dict, float | None]]:
+    """Each run of "pipeline against data parallelism" with its images/s over the data-parallel
+    run's (None where either failed, or in a quick run)."""
     rows = data.get("versus_dp") or []
+    dp = next((r for r in rows if r["ok"] and r["kind"] == "data-parallel"), None)
+    return [(r, r["images_per_second"] / dp["images_per_second"] if comparing and r["ok"] and dp else None)
+            for r in rows]
+
+
+def _versus(data: dict, comparing: bool) -> list[str]:
+    rows = versus_ratios(data, comparing)
     if not rows:
         return []
-    ok = {r["kind"]: r for r in rows if r["ok"]}
-    dp = ok.get("data-parallel")
     out = []
-    for r in rows:
-        ratio = (r["images_per_second"] / dp["images_per_second"]
-                 if comparing and r["ok"] and dp else None)
+    for r, ratio in rows:
         out.append([r["kind"], str(r.get("global_batch", "")),
                     num(r.get("images_per_second")) if r["ok"] else "failed",
                     f"{ratio:.2f}x" if ratio is not None else WITHHELD])

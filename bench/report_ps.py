@@ -9,6 +9,29 @@ def _mb(v: float | None) -> str:
     return "n/a" if v is None else f"{v / 1e6:.3f}"
 
 
+def accuracy(r: dict) -> str:
+    """9.1's test accuracy of one cell."""
+    return f"{100 * r['test_accuracy']:.2f}%"
+
+
+def seconds(r: dict) -> str:
+    """9.2's training seconds to the target."""
+    return f"{r['seconds_to_target']:.1f}" if r["seconds_to_target"] is not None else "not reached"
+
+
+def reached(r: dict) -> str:
+    """9.2's training seconds to the target, and the epoch that reached it."""
+    return f"{seconds(r)} (epoch {r['epoch_reached']})" if r["seconds_to_target"] is not None else seconds(r)
+
+
+def link_measured(r: dict) -> tuple[float, float, str]:
+    """9.3's comparison for one row: (bytes per step measured, the formula's, its name).  The
+    server's link carries T_ps both ways together; a ring rank's, T_ring each way."""
+    if r["strategy"] == "ps":
+        return r["rx_per_step"] + r["tx_per_step"], r["formula_total"], "T_ps"
+    return max(r["rx_per_step"], r["tx_per_step"]), r["formula_each_way"], "T_ring"
+
+
 def staleness(ps: dict) -> list[str]:
     rows = ps.get("staleness") or []
     if not rows:
@@ -26,7 +49,7 @@ def staleness(ps: dict) -> list[str]:
         if not r.get("ok"):
             body.append([f"{r['momentum']:g}", r["staleness"], "failed (see JSON)", "", "", "", ""])
             continue
-        body.append([f"{r['momentum']:g}", r["staleness"], f"{100 * r['test_accuracy']:.2f}%",
+        body.append([f"{r['momentum']:g}", r["staleness"], accuracy(r),
                      f"{r['test_loss']:.4f}", str(r["applied"]), f"{r['staleness_mean']:.2f}",
                      str(r["staleness_max"])])
     lines += [table(["momentum", "--staleness", "test accuracy", "test loss", "gradients applied",
@@ -51,11 +74,9 @@ def straggler(ps: dict) -> list[str]:
         if not r.get("ok"):
             body.append([r["label"], "failed (see JSON)", "", "", "", ""])
             continue
-        reached = (f"{r['seconds_to_target']:.1f} (epoch {r['epoch_reached']})"
-                   if r["seconds_to_target"] is not None else "not reached")
         batches = ", ".join(f"{own}+{taken}" for own, taken in r.get("worker_batches", [])) or "-"
         stale = f"{r['staleness_mean']:.2f} / {r['staleness_max']}" if "staleness_mean" in r else "-"
-        body.append([r["label"], reached, " ".join(f"{s:.1f}" for s in r["epoch_seconds"]),
+        body.append([r["label"], reached(r), " ".join(f"{s:.1f}" for s in r["epoch_seconds"]),
                      " ".join(f"{100 * a:.1f}" for a in r["accuracies"]), batches, stale])
     lines += [table(["run", f"s to {cfg['target']:.0%}", "epoch seconds", "test accuracy % by epoch",
                      "batches per worker (own+taken)", "staleness mean / max"], body), ""]
@@ -82,13 +103,10 @@ def link(ps: dict) -> list[str]:
         if not r.get("ok"):
             body.append([r["name"], "failed (see JSON)", "", "", "", ""])
             continue
-        measured = r["rx_per_step"] + r["tx_per_step"] if r["strategy"] == "ps" \
-            else max(r["rx_per_step"], r["tx_per_step"])
-        formula = r["formula_total"] if r["strategy"] == "ps" else r["formula_each_way"]
+        measured, formula, name = link_measured(r)
         body.append([r["strategy"], str(r["hosts"]), _mb(r["rx_per_step"]), _mb(r["tx_per_step"]),
                      _mb(r["formula_each_way"]),
-                     f"{'T_ps' if r['strategy'] == 'ps' else 'T_ring'}: {_mb(measured)} / "
-                     f"{_mb(formula)} = {num(measured / formula, '{:.2f}')}"])
+                     f"{name}: {_mb(measured)} / {_mb(formula)} = {num(measured / formula, '{:.2f}')}"])
     lines += [table(["strategy", "hosts", "in MB/step", "out MB/step", "formula each way MB",
                      "measured / formula"], body), ""]
     return lines

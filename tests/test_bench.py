@@ -419,3 +419,119 @@ def test_cells_sizes_and_summary():
     assert by_mode["plain"]["max_busiest_run_of_wall"] == [0.5, 0.5]
     assert by_mode["plain"]["max_busiest_wait_of_wall"] == [0.2, 0.2]
     assert by_mode["plain"]["ranks_cores"] == [1.0, 1.0]  # two ranks, each 1 CPU second in 2 s
+
+
+# -- the headline and each section's date and build (bench/report_headline.py, report_builds.py) -----
+
+OLD, NEW = "0.28.1", "0.28.1+ringtrain.0123456789"
+
+
+def dated_results(quick: bool = False) -> dict:
+    """fake_results with each part's date and build: throughput on an older build, collectives on
+    the newest, accuracy from before parts recorded theirs."""
+    res = fake_results(quick)
+    res["throughput"].update(started="2026-11-23 06:04 UTC", machine={"versions": {"horovod": OLD}})
+    res["collectives"].update(started="2026-11-27 03:12 UTC", machine={"versions": {"horovod": NEW}})
+    res["accuracy"]["started"] = "2026-11-23 08:23 UTC"
+    return res
+
+
+def section_text(md: str, number: str) -> str:
+    """Section ``number`` of the report ("6.1": all of section 6), up to the next section."""
+    start = md.index(f"\n## {number.split('.')[0]}. ")
+    return md[start:md.index("\n## ", start + 1)]
+
+
+def headline(md: str) -> dict[str, list[str]]:
+    """The headline table: the cells after the first, by the first."""
+    text = md[md.index("## Headline"):md.index("## Machine")]
+    rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in text.splitlines()
+            if line.startswith("| ")]
+    assert rows[0] == ["compared", "figure", "section", "measured", "Horovod build"]
+    return {cells[0]: cells[1:] for cells in rows[1:]}
+
+
+def test_headline_quotes_the_sections_figures_with_their_date_and_build():
+    from bench.report import render
+
+    md = render(dated_results())
+    assert md.index("# Benchmarks") < md.index("## Headline") < md.index("## Machine")
+    rows = headline(md)
+    # trainer 1600 img/s at -np 2 against 1200 at -np 1: 1600 / (2 x 1200); the section's cell
+    assert rows["PyTorch trainer, scaling efficiency T(N) / (N x T(1))"] == [
+        "67% at -np 2", "1", "2026-11-23", f"`{OLD}`"]
+    assert "| 2 | 1600 | n/a | 1800 | 0.89x | 67% |" in md
+    # Horovod's loop 1800 against DDP's 1900, as section 3 prints it
+    assert rows["PyTorch: Horovod (MPI) / DDP (gloo, torchrun), images/s of the same loop"] == [
+        "0.95x at -np 2", "3", "2026-11-23", f"`{OLD}`"]
+    assert rows["Horovod (MPI) allreduce time / mpi4py's, 4 KiB, one host"] == [
+        "1.00x at -np 2", "4", "2026-11-27", f"`{NEW}`"]
+    assert "The current build is `0.28.1+ringtrain.0123456789`, that of the latest part measured " \
+           "(collectives, 2026-11-27 03:12 UTC)" in md
+    # parts missing from the results leave their rows out; TensorFlow was not measured
+    assert {row[1] for row in rows.values()} == {"1", "3", "4"}
+    assert not any(name.startswith("TensorFlow") for name in rows)
+
+
+def test_headline_figures_are_in_their_sections_for_the_committed_results():
+    """Every number the headline quotes from the committed results is printed in the section it
+    names, with that part's date and build: the table is rendered by the sections' own functions
+    from results.json, not typed in."""
+    import re
+
+    from bench import report, report_headline, util
+
+    res = util.read_json(util.REPO / "bench" / "results" / "results.json")
+    res["meta"]["plots_rel"] = "bench/results"  # what report.write adds
+    md = report.render(res)
+    table = headline(md)
+    rows = report_headline.rows(res)
+    assert len(table) == len(rows) and 8 <= len(rows) <= 15
+    for r in rows:
+        figure, number, measured, build = table[r.compared]
+        part = res[r.part]
+        assert measured == part["started"].split()[0]
+        assert build == f"`{part['machine']['versions']['horovod']}`"
+        numbers = re.findall(r"\d+\.\d+|\d+[x%]", figure)
+        text = section_text(md, number)
+        assert numbers and all(n in text for n in numbers), (r.compared, figure)
+
+
+def test_a_section_on_an_older_build_says_so_and_one_on_the_newest_does_not():
+    from bench.report import render
+
+    md = render(dated_results())
+    older = (f"**Measured on an older build:** 2026-11-23 06:04 UTC, Horovod `{OLD}`; not rerun on "
+             f"the current build, `{NEW}`.")
+    for number in ("1", "2", "3"):  # the throughput part's three sections
+        lines = section_text(md, number).splitlines()
+        assert lines[3] == older, number  # heading, blank line, the note
+    collectives = section_text(md, "4")
+    assert f"Measured on the current build: 2026-11-27 03:12 UTC, Horovod `{NEW}`." in collectives
+    assert "older build" not in collectives
+    assert "Measured 2026-11-23 08:23 UTC, Horovod build not recorded." in section_text(md, "5")
+
+
+def test_a_rerun_of_some_cells_dates_the_figures_it_holds():
+    from bench.report import render
+
+    res = dated_results()
+    res["cluster"] = fake_cluster()
+    res["cluster"]["reruns"] = [{"cells": ["collectives"], "started": "2026-11-28 10:00 UTC", "command": "x",
+                                 "machine": {"versions": {"horovod": "0.28.1+ringtrain.fedcba9876"}}}]
+    md = render(res)
+    row = headline(md)["Horovod's best ring, 64 MiB on 4 hosts' 1 Gbit/s + 0.2 ms links: busbw / "
+                       "link rate (target >= 80%)"]
+    assert row[1:] == ["6.1", "2026-11-28", "`0.28.1+ringtrain.fedcba9876`"]
+    assert row[0].endswith("(`horovod-mpi-ring`)") and row[0].split()[0] in section_text(md, "6")
+    # the rerun's build is now the current one: the collectives part's build is older
+    assert "**Measured on an older build:** 2026-11-27 03:12 UTC" in section_text(md, "4")
+    assert ("Measured 2026-11-23 16:00 UTC, Horovod build not recorded (the collective cells again "
+            "2026-11-28 10:00 UTC, Horovod `0.28.1+ringtrain.fedcba9876`).") in section_text(md, "6")
+
+
+def test_quick_headline_withholds_its_figures():
+    from bench.report import render
+
+    rows = headline(render(dated_results(quick=True)))
+    assert rows and {row[0] for row in rows.values()} == {"-"}
