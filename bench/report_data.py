@@ -76,6 +76,11 @@ def memory_verdict(data: dict, fw: str) -> dict[str, Any] | None:
             "allowed_mib": allowed, "holds": b - a <= allowed}
 
 
+def with_cache(data: dict) -> bool:
+    """Whether the run's trainers had the decoded cache (runs before it record no ``cache``)."""
+    return any("cache" in r for r in data.get("throughput", []))
+
+
 def throughput_rows(data: dict, fw: str, model: str, n: int) -> dict[str, Any]:
     runs = data.get("throughput", [])
     fixed = _ok(runs, framework=fw, model=model, np=n, kind="loop", data="fixed")
@@ -144,8 +149,10 @@ def section(res: dict) -> list[str]:
               "circle, square or triangle, one class each, of random size, position and colour on a "
               "random background: `tests/image_folders.py`). Trainer flags: `--data folder:DIR "
               f"--batch-size {cfg['batch']}`, the model's, `--max-steps` where given, default `--workers` "
-              "(the cores a rank has), a decoded cache of the job's own (`--decode-cache DIR`) unless "
-              "it says *no cache*, under `horovodrun -np N`.", ""]
+              "(the cores a rank has), "
+              + ("a decoded cache of the job's own (`--decode-cache DIR`) unless it says *no cache*"
+                 if with_cache(data) else "no decoded cache (this run predates it: every epoch decoded)")
+              + ", under `horovodrun -np N`.", ""]
     lines += _memory(data, rx)
     lines += _throughput(data, rx)
     lines += _sweep(data, rx)
@@ -217,11 +224,14 @@ def _throughput(data: dict, rx) -> list[str]:
              "`--data synthetic`, the model and the folder's shape: one batch made once, no input "
              "pipeline, Horovod (`DistributedOptimizer`; TensorFlow: its grouped allreduce), the "
              "same threads per rank. *Trainer*: `launch.torch_mnist` / `launch.tf_mnist` with "
-             "`--data folder:DIR`, its 2nd epoch (the first starts the pipeline, in TensorFlow "
-             "traces, and decodes every image of the rank's shards into the decoded cache, a "
-             "folder of the job's own; the 2nd reads the cache: `ringtrain/data/decoded_cache.py`). "
-             "*No cache*: the same trainer with `--no-decode-cache`, every epoch decoding. "
-             "*Folder loop*: the same loop as *fixed batch*, "
+             "`--data folder:DIR`, its 2nd epoch "
+             + ("(the first starts the pipeline, in TensorFlow traces, and decodes every image of "
+                "the rank's shards into the decoded cache, a folder of the job's own; the 2nd reads "
+                "the cache: `ringtrain/data/decoded_cache.py`). *No cache*: the same trainer with "
+                "`--no-decode-cache`, every epoch decoding. " if with_cache(data) else
+                "of `--max-steps` steps (the first starts the pipeline and, in TensorFlow, traces; "
+                "this run predates the decoded cache, so both decode). ")
+             + "*Folder loop*: the same loop as *fixed batch*, "
              "reading the folder through the trainer's own input pipeline (PyTorch: the DataLoader "
              "of `torch_models/data.py`; TensorFlow: the `tf.data` pipeline of `tf_models/data.py`); "
              "*cores busy* are rank 0's process CPU seconds (TensorFlow's decode threads included) "
