@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cells", default=",".join(cluster.CELLS),
                    help=f"cluster part: which of its cells to run ({', '.join(cluster.CELLS)}; default all); "
                         "a subset replaces those cells' records in OUT/cluster.json and keeps the rest")
+    p.add_argument("--data-models", default=None,
+                   help="data part: which of its models to measure (cnn, resnet18; default both)")
     p.add_argument("--out", default=None, help="results folder (default bench/results)")
     p.add_argument("--markdown", default=None, help="report to (re)generate (default BENCHMARKS.md)")
     p.add_argument("--profile", metavar="RUN", default=None,
@@ -112,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         run = parse_run(args.profile) if args.profile else None
     except ValueError as err:
         raise bad_input(f"--profile: {err}") from None
+    data_models = None if args.data_models is None else [m for m in args.data_models.split(",") if m]
+    known = [m.name for m in owndata.full().models]
+    if data_models is not None and (not data_models or any(m not in known for m in data_models)):
+        raise bad_input(f"--data-models: {args.data_models!r}: choose from {', '.join(known)}")
+    if data_models is not None and "data" not in parts:
+        raise bad_input("--data-models chooses the data part's models: use it with --only data")
     cfg = smoke.config() if args.smoke else config.quick() if args.quick else config.full()
     out.mkdir(parents=True, exist_ok=True)
     frameworks = [f for f in args.frameworks.split(",") if f]
@@ -150,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 util.say(f"data: measures {', '.join(owndata.FRAMEWORKS)} only; skipped")
                 continue
             scale = owndata.smoke if args.smoke else owndata.quick if args.quick else owndata.full
-            data = owndata.run_part(scale(supported), out)
+            data = owndata.run_part(scale(supported).only_models(data_models), out)
         elif part == "ps":
             data = ps.run_part(ps.smoke() if args.smoke else ps.quick() if args.quick else ps.full(),
                                out)

@@ -28,7 +28,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,12 @@ class DataConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def only_models(self, names: list[str] | None) -> DataConfig:
+        """The same part with only the models named (None: all of them)."""
+        if names is None:
+            return self
+        return replace(self, models=[m for m in self.models if m.name in names])
 
 
 def full(frameworks: list[str] | None = None) -> DataConfig:

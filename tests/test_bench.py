@@ -535,3 +535,18 @@ def test_quick_headline_withholds_its_figures():
 
     rows = headline(render(dated_results(quick=True)))
     assert rows and {row[0] for row in rows.values()} == {"-"}
+
+
+def test_data_models_chooses_the_data_parts_models_and_refuses_the_unknown(capsys):
+    from bench import __main__ as bench_main
+    from bench import owndata
+
+    assert [m.name for m in owndata.full().only_models(["cnn"]).models] == ["cnn"]
+    assert owndata.full().only_models(None).models == owndata.full().models
+    for argv, needle in ((["--only", "data", "--data-models", "vgg"], "choose from cnn, resnet18"),
+                         (["--only", "throughput", "--data-models", "cnn"], "use it with --only data")):
+        with pytest.raises(SystemExit) as ended:
+            bench_main.main(argv)
+        assert ended.value.code == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
