@@ -22,7 +22,12 @@ take a core from a worker on this 2-core machine, and a blocking ``Wait`` could 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import ctypes
 import os
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +40,9 @@ from ringtrain.runtime import uses_gloo
 from ringtrain.training.world import Collectives, World
 
 RECOVERY_ENV = "OMPI_MCA_orte_enable_recovery"  # what mpirun --enable-recovery sets in each rank
+# How long a survivor's MPI_Finalize may wait, once the job has lost a rank, before the survivor
+# leaves without it.  A finalize that completes takes well under a second.
+FINALIZE_GRACE = 10.0
 
 
 def start(what: str = "horovodrun --gloo") -> Any:
@@ -155,3 +163,62 @@ def without(comm, ranks: Sequence[int]):
         return comm.Create_group(group)
     finally:
         group.Free()
+
+
+def bound_finalize_after_losing(grace: float = FINALIZE_GRACE) -> None:
+    """Once the job has lost a rank: at this rank's exit, MPI_Finalize gets ``grace`` seconds,
+    after which the rank leaves without it, exit status 0 (its work is done and written).
+
+    Open MPI 4.1.4's MPI_Finalize ends in a fence over every rank of the job, the lost ones
+    included; it usually completes, but in 1 of 14 runs of a killed worker's job every survivor
+    waited in it for ever (``ompi_mpi_finalize``, seen with gdb), and the job with them.
+    mpi4py's own finalize holds the GIL, so no timer could end that wait: this one calls
+    ``MPI_Finalize`` through ctypes, which releases the GIL, and a timer thread ends the process
+    if it has not returned.
+    mpi4py's finalize at exit then finds MPI finalized and does nothing.  Under
+    ``mpirun --enable-recovery`` (the only way a job outlives a rank) a rank that leaves without
+    finalizing does not end the job or change its exit status."""
+    atexit.register(_finalize_within, grace)
+
+
+def _finalize_within(grace: float) -> None:
+    from mpi4py import MPI
+
+    if MPI.Is_finalized():
+        return
+    lib = _libmpi()
+    if lib is None:
+        return  # not Linux, or no libmpi mapped: mpi4py's own finalize, unbounded
+
+    def leave() -> None:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            sys.stderr.write(f"warning: MPI_Finalize still waited for the lost rank(s) after "
+                             f"{grace:g} s; rank 0 leaves without it\n")
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(0)
+
+    timer = threading.Timer(grace, leave)
+    timer.daemon = True
+    timer.start()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    lib.MPI_Finalize()
+    timer.cancel()
+
+
+def _libmpi() -> ctypes.CDLL | None:
+    """The MPI library mpi4py loaded into this process (not another one on the path)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {ln.split()[-1] for ln in maps if "/libmpi.so" in ln}
+    except OSError:
+        return None
+    if len(paths) != 1:
+        return None
+    try:
+        return ctypes.CDLL(paths.pop(), mode=os.RTLD_NOLOAD)
+    except OSError:
+        return None

@@ -299,6 +299,8 @@ class ParameterServerRun(FrameworkRun):
     def _go_on_without(self, dead: list[int]) -> None:
         """Every survivor: the run's collectives from now on over the ranks still alive."""
         ranks = [self.roles.worker_rank(w) for w in dead]
+        if not self.lost:
+            ps_mpi.bound_finalize_after_losing()
         self.world_comm = ps_mpi.without(self.all_comm, ranks)
         self.world = ps_mpi.world(self.world_comm)
         self.fixed.world = self.world
