@@ -184,17 +184,26 @@ def test_no_decode_cache_opens_none_and_other_data_refuse_the_flags(folder, tmp_
 
 # --- rows and files that cannot be trusted ----------------------------------------------------------
 
+def damage_row(cache, i: int, change) -> None:
+    """Change row ``i``'s bytes in the file behind the cache's back, as a crash or a disk would."""
+    layout = cache.layout
+    at = layout.pixels_at + i * layout.row_bytes
+    row = np.frombuffer(os.pread(cache._fd, layout.row_bytes, at), np.uint8).copy()
+    change(row)
+    os.pwrite(cache._fd, row, at)
+
+
 def test_a_row_without_its_stamp_or_with_other_bytes_is_decoded_again(folder, tmp_path):
     data = opened(folder, tmp_path / "cache")
     plain_x = opened(folder, None).batch("train", ALL)[0]
     cache = data.caches["train"]
     data.batch("train", ALL[:10])
     # A process that died after a row's pixels, before its stamp: the row is not there.
-    cache._pixels[12] = 255
+    damage_row(cache, 12, lambda row: row.fill(255))
     # A machine that crashed with a stamp on disk but not its row's page: bytes that do not match.
     reopened = opened(folder, tmp_path / "cache")
     raw = reopened.caches["train"]
-    raw._pixels[3, 0, 0] ^= 0xFF
+    damage_row(raw, 3, lambda row: row.__setitem__(0, row[0] ^ 0xFF))
     fresh = opened(folder, tmp_path / "cache").caches["train"]  # checks CRCs anew
     _, good = fresh.gather(np.array([3, 4, 12]))
     assert good.tolist() == [False, True, False]
