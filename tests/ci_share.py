@@ -109,6 +109,15 @@ LEFT_OUT: list[tuple[str, str]] = [
      "[torch] (python -m bench.owndata, the same driver; TF's bench loop in test_bench_smoke)"),
     ("tests/test_ray.py::test_local_ray_trains_with_identical_ranks[tf]",
      "[torch] (the Ray worker runs either trainer the same way); test_ray_cluster"),
+    ("tests/test_ray_cluster.py::test_two_nodes_train_with_identical_ranks[torch]",
+     "[tf]; PyTorch on the two nodes in test_elastic_job_survives_losing_a_node[torch-ci] and "
+     "test_fixed_job_ends_in_one_line_when_a_node_is_lost[torch-ci]; test_ray's local PyTorch job"),
+    ("tests/test_decoded_cache.py::test_a_job_trains_the_same_with_the_cache_without_it_and_when_it_cannot_be_made[tf]",
+     "[torch]; TensorFlow's reader (FolderData.batch, which its tf.data maps) bit for bit against "
+     "decoding, in this file's in-process tests"),
+    ("tests/test_horovod_tools.py::test_timeline_and_autotune_in_a_two_rank_job[tf]",
+     "[torch] (the flags set the same Horovod variables for both; Horovod's core writes the "
+     "timeline); TF's allreduce of every gradient: test_correctness's invariants 1-2 in TF"),
 ]
 
 
