@@ -45,6 +45,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import secrets
 import stat
@@ -113,7 +114,7 @@ class Layout:
 
     @property
     def row_bytes(self) -> int:
-        return self.shape[0] * self.shape[1] * self.shape[2]
+        return math.prod(self.shape)
 
     @property
     def pixels_at(self) -> int:

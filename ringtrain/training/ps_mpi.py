@@ -194,19 +194,21 @@ def _finalize_within(grace: float) -> None:
         if MPI.COMM_WORLD.Get_rank() == 0:
             sys.stderr.write(f"warning: MPI_Finalize still waited for the lost rank(s) after "
                              f"{grace:g} s; rank 0 leaves without it\n")
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        _flush()
         os._exit(0)
 
     timer = threading.Timer(grace, leave)
     timer.daemon = True
     timer.start()
+    _flush()
+    lib.MPI_Finalize()
+    timer.cancel()
+
+
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    lib.MPI_Finalize()
-    timer.cancel()
 
 
 def _libmpi() -> ctypes.CDLL | None:
