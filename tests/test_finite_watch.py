@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_models.evaluation import FiniteWatch
+from torch_models.evaluation import FiniteWatch, weights_finite
 
 
 def _model():
@@ -66,3 +66,22 @@ def test_with_lag_any_non_finite_weight_of_any_dtype_in_a_mixed_model_is_caught(
         model[layer].weight[1, 2] = value
     assert watch.step(3) is None  # step 2 read: finite
     assert watch.flush() == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_finite_weights_whose_sum_overflows_are_finite_and_nan_or_inf_are_not(dtype):
+    """The check's fast sums (float32) may overflow where every weight is finite: it then takes
+    float64 sums, which do not, so only a weight that is not a number ends the run."""
+    model = torch.nn.Linear(8, 8).to(dtype)
+    with torch.no_grad():  # 64 weights each at the dtype's largest (float64: float32's largest)
+        model.weight.fill_(torch.finfo(dtype if dtype != torch.float64 else torch.float32).max)
+    if dtype != torch.float16:  # float16's largest sums to a finite float32
+        assert not torch.isfinite(model.weight.sum(dtype=torch.float32))  # the fast sum overflows
+    assert FiniteWatch(model, lag=False).step("step 1") is None
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with torch.no_grad():
+            model.bias[3] = bad
+        assert FiniteWatch(model, lag=False).step("step 2") == "step 2"
+        with torch.no_grad():
+            model.bias[3] = 0.0
+    assert weights_finite([torch.zeros(3), torch.ones(2, dtype=torch.float16)])

@@ -16,7 +16,6 @@ shared :class:`~ringtrain.pipeline.run.PipelineRun`'s.  The shared loop
 from __future__ import annotations
 
 import argparse
-import math
 
 import horovod.torch as hvd
 import numpy as np
@@ -34,7 +33,7 @@ from ringtrain.training.run import RunIdentity
 from torch_models import checkpoints, devices, stages
 from torch_models.collectives import COLLECTIVES, VERSIONS, average_buffers
 from torch_models.data import open_data
-from torch_models.evaluation import parameters, weights_total
+from torch_models.evaluation import parameters, weights_finite
 
 
 class TorchPipelineRun(pipeline.PipelineRun):
@@ -144,7 +143,7 @@ class TorchPipelineRun(pipeline.PipelineRun):
     def end_step(self) -> bool:
         self.optimizer.step()
         self.step_loss = float(self.loss_total)
-        return math.isfinite(float(weights_total(self.stage)))
+        return weights_finite(list(self.stage.parameters()))
 
     # --- the epoch's end and the run's -------------------------------------------------------------
 
