@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "a subset replaces those cells' records in OUT/cluster.json and keeps the rest")
     p.add_argument("--data-models", default=None,
                    help="data part: which of its models to measure (cnn, resnet18; default both)")
+    p.add_argument("--data-rounds", type=int, default=None, metavar="N",
+                   help="data part: rounds of its throughput comparison (default 2; each round runs "
+                        "every side once, in alternating order)")
     p.add_argument("--out", default=None, help="results folder (default bench/results)")
     p.add_argument("--markdown", default=None, help="report to (re)generate (default BENCHMARKS.md)")
     p.add_argument("--profile", metavar="RUN", default=None,
@@ -120,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         raise bad_input(f"--data-models: {args.data_models!r}: choose from {', '.join(known)}")
     if data_models is not None and "data" not in parts:
         raise bad_input("--data-models chooses the data part's models: use it with --only data")
+    if args.data_rounds is not None and (args.data_rounds < 1 or "data" not in parts):
+        raise bad_input(f"--data-rounds {args.data_rounds}: a count of 1 or more, with --only data")
     cfg = smoke.config() if args.smoke else config.quick() if args.quick else config.full()
     out.mkdir(parents=True, exist_ok=True)
     frameworks = [f for f in args.frameworks.split(",") if f]
@@ -158,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                 util.say(f"data: measures {', '.join(owndata.FRAMEWORKS)} only; skipped")
                 continue
             scale = owndata.smoke if args.smoke else owndata.quick if args.quick else owndata.full
-            data = owndata.run_part(scale(supported).only_models(data_models), out)
+            dcfg = scale(supported).only_models(data_models).with_rounds(args.data_rounds)
+            data = owndata.run_part(dcfg, out)
         elif part == "ps":
             data = ps.run_part(ps.smoke() if args.smoke else ps.quick() if args.quick else ps.full(),
                                out)

@@ -81,6 +81,10 @@ class DataConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def with_rounds(self, rounds: int | None) -> DataConfig:
+        """The same part with ``rounds`` rounds of the throughput comparison (None: as it is)."""
+        return self if rounds is None else replace(self, rounds=rounds)
+
     def only_models(self, names: list[str] | None) -> DataConfig:
         """The same part with only the models named (None: all of them)."""
         if names is None:

@@ -543,8 +543,11 @@ def test_data_models_chooses_the_data_parts_models_and_refuses_the_unknown(capsy
 
     assert [m.name for m in owndata.full().only_models(["cnn"]).models] == ["cnn"]
     assert owndata.full().only_models(None).models == owndata.full().models
+    assert owndata.full().with_rounds(5).rounds == 5 and owndata.full().with_rounds(None).rounds == 2
     for argv, needle in ((["--only", "data", "--data-models", "vgg"], "choose from cnn, resnet18"),
-                         (["--only", "throughput", "--data-models", "cnn"], "use it with --only data")):
+                         (["--only", "throughput", "--data-models", "cnn"], "use it with --only data"),
+                         (["--only", "data", "--data-rounds", "0"], "a count of 1 or more"),
+                         (["--only", "floor", "--data-rounds", "3"], "with --only data")):
         with pytest.raises(SystemExit) as ended:
             bench_main.main(argv)
         assert ended.value.code == 2

@@ -70,7 +70,7 @@ class FiniteWatch:
         tensors, one stack, and the host checks every entry (no reduction kernel).  On two H100
         hosts the CNN's check took 313-367 us of CPU per step that way, with a new event and
         pinned tensor per step, and 189-236 us as now, of a 2.0-2.5 ms step (2026-11-26,
-        docs/gpu.md).  (On a CPU the sums are cheaper: ``weights_total``.)"""
+        docs/gpu.md).  (On a CPU sums are cheaper: :func:`weights_finite`.)"""
         with torch.no_grad():
             if not self.groups:
                 return torch.zeros(1)
