@@ -144,7 +144,7 @@ def data(res: dict) -> list[Row]:
         said = []
         for m in cfg["models"]:
             figure = _joined(res, "data", ((f"at -np {n}", report_data.throughput_rows(
-                d, fw, m["name"], n)["trainer_ratio"]) for n in cfg["nps"]), pct)
+                d, fw, m["name"], n)["trainer_ratio"]) for n in cfg["nps"]), report_data.pct_of_target)
             if figure:
                 said.append(f"{m['name']}: {figure}")
         if said:

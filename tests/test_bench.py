@@ -553,3 +553,11 @@ def test_data_models_chooses_the_data_parts_models_and_refuses_the_unknown(capsy
         assert ended.value.code == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_ratio_just_under_the_data_target_never_reads_as_the_target():
+    """89.7% of the fixed batch misses a 90% target: the report says 89.7%, not 90%."""
+    from bench.report_data import pct_of_target
+
+    assert pct_of_target(0.897) == "89.7%" and pct_of_target(0.9049) == "90%"
+    assert pct_of_target(0.90) == "90%" and pct_of_target(0.84) == "84%" and pct_of_target(1.03) == "103%"
