@@ -15,6 +15,10 @@ from bench.tables import FW_NAMES, num, pct, table
 
 ANALYSIS = Path(__file__).with_name("data_analysis.md")  # the hand-written reading of section 8
 TARGET = 0.90  # the trainer on a folder against one fixed batch (issue #21)
+MEMORY_SLACK = 0.10  # the larger folder's rank within 10% (+ its file-name list) of the smaller's
+MODEL_NAMES = {"cnn": "the built-in CNN (`--model cnn`)",
+               "resnet18": "ResNet-18 (`--model torchvision.models:resnet18`)"}
+WITHHELD = "-"
 
 
 def pct_of_target(ratio: float | None) -> str:
@@ -23,10 +27,6 @@ def pct_of_target(ratio: float | None) -> str:
     if ratio is not None and ratio < TARGET and round(100 * ratio) >= round(100 * TARGET):
         return f"{100 * ratio:.1f}%"
     return pct(ratio)
-MEMORY_SLACK = 0.10  # the larger folder's rank within 10% (+ its file-name list) of the smaller's
-MODEL_NAMES = {"cnn": "the built-in CNN (`--model cnn`)",
-               "resnet18": "ResNet-18 (`--model torchvision.models:resnet18`)"}
-WITHHELD = "-"
 
 
 def _ok(runs: list[dict], **match: Any) -> list[dict]:
