@@ -85,3 +85,72 @@ def test_finite_weights_whose_sum_overflows_are_finite_and_nan_or_inf_are_not(dt
         with torch.no_grad():
             model.bias[3] = 0.0
     assert weights_finite([torch.zeros(3), torch.ones(2, dtype=torch.float16)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_lagged_check_leaves_every_weight_bit_for_bit(dtype):
+    """The lagged check is the fused kernel that GradScaler unscales gradients with, here with a
+    scale of 1.0: it writes the weights back, and must write them unchanged, the smallest
+    subnormal and the largest finite value included."""
+    info = torch.finfo(dtype)
+    model = torch.nn.Linear(4, 4).to(dtype)
+    with torch.no_grad():
+        model.weight.view(-1)[:4] = torch.tensor([info.smallest_normal / 4, -info.max, info.max,
+                                                  -0.0], dtype=torch.float64).to(dtype)
+    before = [p.detach().clone() for p in model.parameters()]
+    watch = FiniteWatch(model, lag=True)
+    for s in (1, 2, 3):
+        assert watch.step(s) is None
+    assert watch.flush() is None
+    for old, new in zip(before, model.parameters(), strict=True):
+        assert torch.equal(old.view(torch.uint8), new.detach().view(torch.uint8))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_dtype_the_fused_check_refuses_is_checked_all_the_same(monkeypatch, value):
+    """CUDA's fused kernel (torch 2.11) refuses bfloat16: such a dtype's tensors are then checked
+    through their largest |weight|, every step, and the others stay on the fused kernel."""
+    fused = torch._amp_foreach_non_finite_check_and_unscale_
+    calls = []
+
+    def no_bfloat16(group, found, scale):
+        calls.append(group[0].dtype)
+        if group[0].dtype == torch.bfloat16:
+            raise NotImplementedError("not implemented for 'BFloat16'")
+        fused(group, found, scale)
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", no_bfloat16)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2).bfloat16())
+    watch = FiniteWatch(model, lag=True)
+    for s in (1, 2, 3):
+        assert watch.step(s) is None
+    assert calls.count(torch.bfloat16) == 1 and calls.count(torch.float32) == 3  # refused once
+    with torch.no_grad():
+        model[1].weight[1, 2] = value
+    assert watch.step(4) is None  # step 3 read: finite
+    assert watch.flush() == 4
+
+
+def test_float64_weights_never_reach_the_fused_check(monkeypatch):
+    """CUDA's fused kernel tests each value as a float32: a finite float64 weight beyond float32's
+    range read as inf there (an H200, torch 2.11).  float64 tensors take the largest-|weight|
+    path: finite at float64's largest, not finite with a NaN or inf."""
+    fused = torch._amp_foreach_non_finite_check_and_unscale_
+    dtypes = []
+
+    def recording(group, found, scale):
+        dtypes.append(group[0].dtype)
+        fused(group, found, scale)
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", recording)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2).double())
+    with torch.no_grad():
+        model[1].weight[0] = torch.tensor([torch.finfo(torch.float64).max, 1e300, -1e300],
+                                          dtype=torch.float64)
+    watch = FiniteWatch(model, lag=True)
+    assert watch.step(1) is None and watch.flush() is None
+    assert dtypes == [torch.float32]
+    with torch.no_grad():
+        model[1].weight[1, 1] = float("nan")
+    assert watch.step(2) is None and watch.flush() == 2

@@ -23,6 +23,10 @@ def weights_finite(params: list[torch.Tensor]) -> bool:
         return math.isfinite(float(torch.stack([p.sum(dtype=torch.float64) for p in params]).sum()))
 
 
+# The dtypes whose values a float32 holds exactly, all the fused check may see.
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 class FiniteWatch:
     """After each optimizer step, ``step(tag)`` returns the tag of the step after which the
     weights stopped being finite numbers, or None; the answer is the same on every rank, since
@@ -33,12 +37,20 @@ class FiniteWatch:
     def __init__(self, model, lag: bool) -> None:
         self.model, self.lag, self.pending = model, lag, None
         self.params = [p.detach() for p in model.parameters()]
-        # One foreach call per device and dtype: a mixed list takes foreach's per-tensor path.
+        # One fused call per device and dtype: the kernel takes one device and dtype per list.
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for p in model.parameters():
+        for p in self.params:
             groups.setdefault((p.device, p.dtype), []).append(p)
         self.groups = list(groups.values())
-        self.device = self.groups[0][0].device if len({d for d, _ in groups}) > 1 else None
+        # With lag: one flag per device, which the check sets (and nothing clears) when a weight
+        # on it is not a number, and the 1.0 it multiplies the weights by.
+        devices = list(dict.fromkeys(d for d, _ in groups)) if lag else []
+        self.flags = {d: torch.zeros(1, device=d) for d in devices}
+        self.unit = {d: torch.ones(1, device=d) for d in devices}
+        # Groups checked through their largest |weight| instead: float64, whose values CUDA's
+        # fused kernel tests as float32 (a finite 1e300 read as inf on an H200, torch 2.11), and
+        # what the kernel refuses (bfloat16 there).
+        self.unfused = {key for key in groups if key[1] not in FUSED_DTYPES}
         # On a GPU: two pinned host buffers and two CUDA events, used in turn (one holds the step
         # being read while the other receives the step just queued).  Made once: a new event and
         # a pinned tensor from PyTorch's host allocator every step cost an event creation, and
@@ -49,33 +61,48 @@ class FiniteWatch:
     def step(self, tag):
         if not self.lag:
             return None if weights_finite(self.params) else tag
-        largest, event = self._largest(), None
-        if largest.is_cuda:
+        flag, event = self._flag(), None
+        if flag.is_cuda:
             if self.slots is None:
-                self.slots = [(torch.empty(largest.shape, dtype=largest.dtype, pin_memory=True),
+                self.slots = [(torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True),
                                torch.cuda.Event()) for _ in range(2)]
             (buffer, event), self.turn = self.slots[self.turn], 1 - self.turn
-            buffer.copy_(largest, non_blocking=True)
+            buffer.copy_(flag, non_blocking=True)
             event.record()
-            largest = buffer
-        previous, self.pending = self.pending, (largest, event, tag)
+            flag = buffer
+        else:
+            flag = flag.clone()  # the flag itself is set in place by the steps after this one
+        previous, self.pending = self.pending, (flag, event, tag)
         return self._read(previous)
 
-    def _largest(self) -> torch.Tensor:
-        """Each parameter tensor's largest |weight|, on the device: a NaN or inf in a tensor
-        makes its entry non-finite, and unlike a sum it cannot overflow.  ``_foreach_norm``
-        itself, because ``get_total_norm(params, inf)`` takes torch's per-tensor path for
-        parameters (its foreach check admits plain Tensors, not ``nn.Parameter``): one norm
-        kernel per tensor plus one.  Here: three launches per dtype whatever the number of
-        tensors, one stack, and the host checks every entry (no reduction kernel).  On two H100
-        hosts the CNN's check took 313-367 us of CPU per step that way, with a new event and
-        pinned tensor per step, and 189-236 us as now, of a 2.0-2.5 ms step (2026-11-26,
-        docs/gpu.md).  (On a CPU sums are cheaper: :func:`weights_finite`.)"""
+    def _flag(self) -> torch.Tensor:
+        """Every device's flag, on the first device, after checking every weight: PyTorch's own
+        fused check of ``GradScaler`` (``_amp_foreach_non_finite_check_and_unscale_``), one
+        launch per device and dtype whatever the number of tensors.  It also multiplies each
+        weight by its scale, here 1.0, which its kernel skips (the weights are rewritten
+        unchanged, bit for bit on an H200 too).  It replaced each tensor's largest |weight|
+        (``_foreach_norm``, a result tensor per parameter, a stack), still used for the dtypes
+        in ``unfused``: issuing the check for the CNN's 8 tensors cost 14 us of Python and
+        dispatch against 47 (CPU, one-element tensors; docs/gpu.md).  The GPU step is bound by
+        the CPU that issues it.  (A check read at once, on a CPU: :func:`weights_finite`.)"""
         with torch.no_grad():
-            if not self.groups:
-                return torch.zeros(1)
-            norms = [n for group in self.groups for n in torch._foreach_norm(group, float("inf"))]
-            return torch.stack(norms if self.device is None else [n.to(self.device) for n in norms])
+            for group in self.groups:
+                key = group[0].device, group[0].dtype
+                flag = self.flags[key[0]]
+                if key in self.unfused:
+                    flag.add_(_not_finite(group))
+                    continue
+                try:
+                    torch._amp_foreach_non_finite_check_and_unscale_(group, flag, self.unit[key[0]])
+                except NotImplementedError:  # CUDA's kernel in torch 2.11 takes no bfloat16
+                    self.unfused.add(key)
+                    flag.add_(_not_finite(group))
+        flags = list(self.flags.values())
+        if len(flags) == 1:
+            return flags[0]
+        if not flags:
+            return torch.zeros(1)
+        return torch.cat([f.to(flags[0].device) for f in flags])
 
     def flush(self):
         previous, self.pending = self.pending, None
@@ -88,7 +115,13 @@ class FiniteWatch:
         host, event, tag = pending
         if event is not None:
             event.synchronize()
-        return None if all(map(math.isfinite, host.tolist())) else tag
+        return tag if any(host.tolist()) else None
+
+
+def _not_finite(group: list[torch.Tensor]) -> torch.Tensor:
+    """1 where a weight of ``group`` is not a finite number, else 0, on its device: each tensor's
+    largest |weight| (one ``_foreach_norm`` call), which a NaN or inf makes non-finite."""
+    return (~torch.isfinite(torch.stack(torch._foreach_norm(group, float("inf"))))).any().float()
 
 
 def parameters(model) -> list[np.ndarray]:
