@@ -41,7 +41,7 @@ from ringtrain.training.world import World
 from tf_models import checkpoints, devices
 from tf_models.collectives import COLLECTIVES, VERSIONS, average_statistics
 from tf_models.data import open_data
-from tf_models.evaluation import make_batch_sums, make_weights_finite, parameters
+from tf_models.evaluation import WeightsTotal, make_batch_sums, make_weights_finite, parameters
 from tf_models.fit_callback import FixedRunCallback
 from tf_models.horovod_keras import DistributedModel, SparseLogitsLoss, loss_sums
 from tf_models.model import build
@@ -76,9 +76,11 @@ class KerasRun(FrameworkRun):
         # Horovod: its timeline (--timeline-out) records from here on, written by rank 0.
         self.tools.start(self.world.rank, hvd)
 
+        self.weights_total: WeightsTotal | None = None  # the fixed job's, from its train step
         self.open_optimizer(elastic)
         self.batch_sums = make_batch_sums(self.net, self.data.info)
-        self.weights_finite = make_weights_finite(self.net)
+        self.weights_finite = (self.weights_total.finite if self.weights_total is not None
+                               else make_weights_finite(self.net))
         self.loss_sum = 0.0
 
     def open_optimizer(self, elastic: bool) -> None:
@@ -110,14 +112,15 @@ class KerasRun(FrameworkRun):
             if self.start_epoch >= args.epochs:  # resumed at the end: no fit, so no fit broadcast
                 # Horovod: broadcast rank 0's weights and optimizer state: every rank evaluates them.
                 hvd.broadcast_variables([*self.net.weights, *optimizer.variables], root_rank=0)
-            self.sums = loss_sums()
+            self.sums, self.weights_total = loss_sums(), WeightsTotal(self.net)
             # Each micro-batch's loss weighs 1/K, so the K summed gradients are their mean, as in
             # the PyTorch trainer (loss / K) and for every op: Horovod's own
             # average_aggregated_gradients refuses Adasum.  XLA off: this Horovod build has no XLA
             # kernels (Keras turns it on on GPUs).
             self.net.compile(optimizer=optimizer,
                              loss=SparseLogitsLoss(),
-                             loss_weights=1.0 / k, metrics=[self.sums], jit_compile=False)
+                             loss_weights=1.0 / k, metrics=[self.sums, self.weights_total],
+                             jit_compile=False)
 
     def new_world(self) -> World:
         """After an elastic re-form: this rank's new :class:`World`, and the train step traced
