@@ -53,8 +53,8 @@ def test_with_lag_flush_reads_the_last_step(steps):
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_with_lag_any_non_finite_weight_of_any_dtype_in_a_mixed_model_is_caught(dtype, value):
-    # The lagged check reads one largest |weight| per tensor, from one foreach call per dtype: a
-    # model whose layers differ in dtype, poisoned in any one of its tensors.
+    # The lagged check makes one call per dtype (fused; float64 through each tensor's largest
+    # |weight|): a model whose layers differ in dtype, poisoned in any one of its tensors.
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 3).half(),
                                 torch.nn.Linear(3, 3).bfloat16(), torch.nn.Linear(3, 2).double())
