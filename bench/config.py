@@ -1,4 +1,4 @@
-"""How much each part runs: the full suite (about 35 minutes on a quiet 2-core machine, more than
+"""How much each part runs: the full suite (about 20 minutes on a quiet 2-core machine, more than
 half of it the time-to-99% runs), ``--quick`` (5-10 minutes) or ``--smoke`` (:mod:`bench.smoke`)."""
 
 from __future__ import annotations
