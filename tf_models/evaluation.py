@@ -51,8 +51,8 @@ class WeightsTotal(keras.metrics.Metric):
     def __init__(self, net: keras.Model) -> None:
         super().__init__(name="weights_total", dtype="float64")
         weights = net.trainable_weights
-        # A closure, not an attribute: a metric tracks the variables it holds, and fit zeroes a
-        # metric's variables (reset_state) at every epoch's start.
+        # A closure, not an attribute: a metric counts the variables it holds as its own (its
+        # ``variables``, which Keras' default reset_state zeroes), and these are the model's.
         self._sum = lambda: tf.add_n([tf.reduce_sum(tf.cast(w, tf.float64)) for w in weights])
         self.total = self.add_variable(shape=(), initializer="zeros", dtype="float64", name="total")
 
