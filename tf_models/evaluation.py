@@ -29,15 +29,16 @@ def make_batch_sums(net: keras.Model, data: DataInfo):
     return batch_sums
 
 
+def weights_total(weights) -> tf.Tensor:
+    """The float64 sum of ``weights``: not finite exactly when some weight is not a number."""
+    return tf.add_n([tf.reduce_sum(tf.cast(w, tf.float64)) for w in weights])
+
+
 def make_weights_finite(net: keras.Model):
     """``weights_finite()``: whether every trainable weight is a finite number (one float64 sum
     per tensor, in one traced function)."""
     weights = net.trainable_weights
-
-    @tf.function
-    def total():
-        return tf.add_n([tf.reduce_sum(tf.cast(w, tf.float64)) for w in weights])
-
+    total = tf.function(lambda: weights_total(weights))
     return lambda: math.isfinite(float(total()))
 
 
@@ -53,7 +54,7 @@ class WeightsTotal(keras.metrics.Metric):
         weights = net.trainable_weights
         # A closure, not an attribute: a metric counts the variables it holds as its own (its
         # ``variables``, which Keras' default reset_state zeroes), and these are the model's.
-        self._sum = lambda: tf.add_n([tf.reduce_sum(tf.cast(w, tf.float64)) for w in weights])
+        self._sum = lambda: weights_total(weights)
         self.total = self.add_variable(shape=(), initializer="zeros", dtype="float64", name="total")
 
     def update_state(self, y_true, y_pred, sample_weight=None):
