@@ -262,9 +262,9 @@ def _throughput(data: dict, rx) -> list[str]:
                              f"{num(r['loop_busy'], '{:.2f}')} + {num(r['loop_workers_busy'], '{:.2f}')}"])
                 if r["trainer_ratio"] is not None and rx(1.0) != WITHHELD:
                     short = TARGET - r["trainer_ratio"]
+                    points = f"{100 * short:.0f}" if short >= 0.005 else f"{100 * short:.1f}"
                     met = "target met" if short <= 0 else (
-                        f"**missed by {100 * short:.0f} points**" if short >= 0.005
-                        else f"**missed by {100 * short:.1f} points**")
+                        f"**missed by {points} point{'' if points == '1' else 's'}**")
                     verdicts.append(f"-np {n}: {pct_of_target(r['trainer_ratio'])}, {met}")
                 if r["failed"]:
                     verdicts.append(f"-np {n}: failed runs {', '.join(f'`{f}`' for f in r['failed'])} "
