@@ -35,6 +35,7 @@ from typing import Any
 from bench import util
 from bench.jobs import LOOP_MODULES, TRAINER_MODULES, rank_records
 from ringtrain.data import folder
+from ringtrain.data.sharding import batches_per_epoch
 from ringtrain.runtime import available_cores, threads_per_rank
 from tests.image_folders import shapes_folder  # the tests' folders: one writer for both
 
@@ -50,7 +51,10 @@ class Model:
     train: int  # training images in its folder
     test: int
     loop_warmup: int  # bench loop: untimed steps, then timed steps
-    loop_steps: int
+    # None: as many as the trainer's timed epoch at that -np (timed over 50 steps, about 2.5 s
+    # against the trainer's 6 s epoch, the fixed batch scattered 1,234-1,472 img/s between rounds
+    # of one run and moved the folder ratio by 10-25 points)
+    loop_steps: int | None
     # trainer: --max-steps of each of its 2 epochs (the 2nd is timed); None: whole epochs, so that
     # the first decodes every image of the rank's shards into the cache the second reads
     trainer_steps: int | None
@@ -94,7 +98,7 @@ class DataConfig:
 
 def full(frameworks: list[str] | None = None) -> DataConfig:
     return DataConfig("full", frameworks=frameworks or ["torch"], models=[
-        Model("cnn", "cnn", 32, 8000, 500, 10, 50, None, sweep=True),
+        Model("cnn", "cnn", 32, 8000, 500, 10, None, None, sweep=True),
         Model("resnet18", RESNET, 64, 3000, 300, 2, 10, None, frameworks=("torch",))])
 
 
@@ -108,10 +112,10 @@ def quick(frameworks: list[str] | None = None) -> DataConfig:
 
 
 def smoke(frameworks: list[str] | None = None) -> DataConfig:
-    """The smallest size, for tests/test_bench_data.py: every kind of run once, at -np 1, one
-    step; the numbers mean nothing."""
+    """The smallest size, for tests/test_bench_data.py: every kind of run once, at -np 1, the
+    loops as many steps as the trainer's epoch (3); the numbers mean nothing."""
     return DataConfig("smoke", frameworks=frameworks or ["torch"], batch=8, nps=[1], rounds=1,
-                      models=[Model("cnn", "cnn", 16, 24, 6, 1, 1, None)],
+                      models=[Model("cnn", "cnn", 16, 24, 6, 1, None, None)],
                       memory_sizes=(24, 48), memory_test=6, memory_distinct=6, memory_np=1,
                       memory_steps=1, memory_rounds=1, memory_image_size=16, decode_images=12,
                       eval_images=6, timeout_s=120)
@@ -195,6 +199,12 @@ def _trainer_args(cfg: DataConfig, path: str, spec: str, epochs: int, steps: int
     return args + (["--workers", str(job.workers)] if job.workers is not None else [])
 
 
+def loop_steps(cfg: DataConfig, m: Model, n: int) -> int:
+    """The bench loop's timed steps for ``m`` at -np ``n``: the model's own count, or the
+    trainer's batches per epoch (both sides of the ratio timed over the same work)."""
+    return m.loop_steps if m.loop_steps is not None else batches_per_epoch(m.train, n, cfg.batch)
+
+
 def command(cfg: DataConfig, job: Job, folders: dict, models: dict[str, Model],
             work: Path) -> list[str]:
     m = models.get(job.model)
@@ -207,7 +217,7 @@ def command(cfg: DataConfig, job: Job, folders: dict, models: dict[str, Model],
                              cfg.eval_images, job, work)
         return util.horovodrun(job.np, util.rank_exec(TRAINER_MODULES[job.framework], args))
     args = ["--wrapper", "horovod", "--model", m.spec, "--batch-size", str(cfg.batch),
-            "--warmup-steps", str(m.loop_warmup), "--steps", str(m.loop_steps),
+            "--warmup-steps", str(m.loop_warmup), "--steps", str(loop_steps(cfg, m, job.np)),
             "--out", str(work / "loop.json")]
     if job.data == "fixed":
         args += ["--data", "synthetic", "--input-shape", f"{m.image_size}x{m.image_size}x3",
@@ -248,6 +258,7 @@ def execute(cfg: DataConfig, job: Job, folders: dict, models: dict[str, Model], 
     elif res.ok:
         loop = util.read_json(work / "loop.json")
         record["images_per_second"] = loop["images_per_second"]
+        record["timed_steps"] = loop_steps(cfg, models[job.model], job.np)
         record["rank0_cores_busy"] = round(loop["rank0_cores_busy"], 3)
         if "workers" in loop:
             record["workers_used"] = loop["workers"]

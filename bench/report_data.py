@@ -113,6 +113,17 @@ def throughput_rows(data: dict, fw: str, model: str, n: int) -> dict[str, Any]:
                                              and (r["framework"], r["model"], r["np"]) == (fw, model, n)]}
 
 
+def loop_steps_text(data: dict, fw: str, m: dict) -> str:
+    """The bench loop's timed steps for ``m``: its fixed count, or (``loop_steps`` None: the
+    trainer's batches per epoch) the count each -np ran."""
+    if m.get("loop_steps") is not None:
+        return str(m["loop_steps"])
+    steps = {r["np"]: r["timed_steps"] for r in data.get("throughput", [])
+             if (r["framework"], r["model"], r["kind"]) == (fw, m["name"], "loop") and "timed_steps" in r}
+    return ("as many as the trainer's epoch ("
+            + ", ".join(f"{s} at -np {n}" for n, s in sorted(steps.items())) + ")")
+
+
 def item_cost_s(data: dict, model: str, fw: str) -> float | None:
     """CPU seconds per image of what the framework's pipeline runs for it, for the model's folder
     (8.4): a PyTorch worker's whole item, or TensorFlow's batch read per image."""
@@ -273,7 +284,7 @@ def _throughput(data: dict, rx) -> list[str]:
                 continue
             lines += [f"**{FW_NAMES[fw]}, {MODEL_NAMES.get(m['name'], m['spec'])}**, "
                       f"{m['image_size']}x{m['image_size']} RGB, {m['train']:,} training images, "
-                      f"loop {m['loop_warmup']} + {m['loop_steps']} timed steps, trainer "
+                      f"loop {m['loop_warmup']} + {loop_steps_text(data, fw, m)} timed steps, trainer "
                       + (f"`--max-steps {m['trainer_steps']}`:" if m.get("trainer_steps") is not None
                          else "whole epochs:"), "",
                       table(["-np", "workers per rank", "fixed batch img/s", "trainer on folder img/s",

@@ -50,6 +50,8 @@ def test_data_part_runs_end_to_end_at_the_smallest_size(tmp_path, framework):
             assert r["workers_used"] >= 1, r
             assert all(q["forkserver_peak_rss_mib"] > 0 for q in r["ranks"]), r
             assert all(q["workers"] == 0 or q["workers_peak_rss_mib"] > 0 for q in r["ranks"]), r
+    # both loops were timed over as many steps as the trainer's epoch: 24 images, batches of 8
+    assert sorted(r["timed_steps"] for r in data["throughput"] if r["kind"] == "loop") == [3, 3]
     loop = next(r for r in data["throughput"] if (r["kind"], r["data"]) == ("loop", "folder"))
     assert loop["workers_used"] >= 1 and loop["rank0_cores_busy"] > 0
     if framework == "torch":
@@ -68,4 +70,5 @@ def test_data_part_runs_end_to_end_at_the_smallest_size(tmp_path, framework):
         assert heading in md
     fixed = next(r for r in data["throughput"] if r["data"] == "fixed")["images_per_second"]
     assert f"| 1 | {loop['workers_used']} | {fixed:.1f} |" in md  # the measured row, comparisons withheld
+    assert "loop 1 + as many as the trainer's epoch (3 at -np 1) timed steps" in md
     assert {p: p.stat().st_mtime_ns for p in kept} == kept
