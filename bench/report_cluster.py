@@ -245,7 +245,7 @@ def scaling_with_n(cl: dict, big: int, quick: bool) -> list[str]:
                   f"({drate / 1e6:.0f} MB/s): ring 2(N-1)/N x K, parameter server 2(N-1) x K "
                   "(in, then out).", "", table(head, rows), ""]
         if profile == "1g" and not quick:
-            lines += done_when(cl, big)
+            lines += done_when(cl, big) + across_hosts(cl, big)
     return lines
 
 
@@ -301,6 +301,104 @@ def done_when(cl: dict, big: int) -> list[str]:
                  "deviation): " + (", ".join(within) or "none") + "; outside: "
                  + (", ".join(outside) or "none") + ".")
     return lines + [""]
+
+
+LINK_TARGET, MPI4PY_TARGET, DDP_TARGET = 0.90, 1.2, 1.0  # issue 41's done-when, across hosts
+LIKE_MPI4PY = "horovod-mpi-ring"  # Horovod on the algorithm mpi4py-ring runs: like against like
+VERDICT = {True: "met", False: "**not met**"}
+
+
+def over_mpi4py(cl: dict, impl: str, hosts: int, profile: str = "1g") -> list[tuple[int, float]]:
+    """(bytes, ``impl``'s time / mpi4py-ring's) per size on ``hosts`` hosts, one rank each."""
+    a, b = coll(cl, profile, impl, hosts), coll(cl, profile, "mpi4py-ring", hosts)
+    if not a or not b:
+        return []
+    theirs = {r["bytes"]: r["seconds"] for r in b["rows"]}
+    return [(r["bytes"], r["seconds"] / theirs[r["bytes"]]) for r in a["rows"] if r["bytes"] in theirs]
+
+
+def hosts_1g(cl: dict) -> list[int]:
+    """The host counts the collectives ran on over the 1 Gbit/s links, one rank each."""
+    return sorted({r["hosts"] for r in cl.get("collectives", []) if r["profile"] == "1g" and r["slots"] == 1})
+
+
+def within_from(ratios: list[tuple[int, float]], limit: float) -> int | None:
+    """The smallest size from which every larger size's ratio is <= ``limit`` (None: not even
+    the largest)."""
+    ok = None
+    for k, v in sorted(ratios, reverse=True):
+        if v > limit:
+            break
+        ok = k
+    return ok
+
+
+def mpi4py_figure(cl: dict, impl: str = LIKE_MPI4PY) -> str:
+    """Per host count on 1 Gbit/s: the worst ratio to mpi4py-ring and from which size on it is
+    within the target."""
+    said = []
+    for n in hosts_1g(cl):
+        ratios = over_mpi4py(cl, impl, n)
+        if not ratios:
+            continue
+        k, worst = max(ratios, key=lambda kv: kv[1])
+        start = within_from(ratios, MPI4PY_TARGET)
+        said.append(f"{n} hosts: worst {x(worst)} ({size(k)}), "
+                    + (f"<= {x(MPI4PY_TARGET)} from {size(start)} up" if start else
+                       f"over {x(MPI4PY_TARGET)} at every size"))
+    return "; ".join(said)
+
+
+def ddp_over_horovod(cl: dict, variant: str = "default", profile: str = "1g") -> list[tuple[int, float]]:
+    """(hosts, DDP's seconds per step / Horovod's) for ResNet-18 on ``profile``: >= 1 where
+    Horovod trains at least as fast as DDP's default."""
+    out = []
+    for n in sorted({r["hosts"] for r in cl.get("training", []) if r["profile"] == profile}):
+        h, d = step(cl, "torch", "horovod", profile, n, variant), step(cl, "torch", "ddp", profile, n)
+        if h and d:
+            out.append((n, d / h))
+    return out
+
+
+def ddp_figure(cl: dict) -> str:
+    said = []
+    for variant, name in (("default", "as shipped"), ("mpi-ring", "with Open MPI's ring")):
+        pairs = ddp_over_horovod(cl, variant)
+        if pairs:
+            said.append(f"{name} " + ", ".join(f"{x(v)} at {n} hosts" for n, v in pairs))
+    return "; ".join(said)
+
+
+def across_hosts(cl: dict, big: int) -> list[str]:
+    """Issue 41's done-when across hosts, judged from the data: the ring's share of the link at
+    the most hosts, Horovod's allreduce against mpi4py's from the smallest size up, and
+    Horovod's training step against DDP's (6.3), on the 1 Gbit/s links."""
+    n, busbw, best = horovod_busbw(cl, big)
+    if best is None:
+        return []
+    ring_met = busbw[best] >= LINK_TARGET
+    sizes = {k for r in cl["collectives"] if r["profile"] == "1g" and r.get("ok") for k in
+             (row_["bytes"] for row_ in r["rows"])}
+    smallest = min(sizes)
+    per_n = {m: over_mpi4py(cl, LIKE_MPI4PY, m) for m in hosts_1g(cl)}
+    mpi_met = all(v <= MPI4PY_TARGET for ratios in per_n.values() for _, v in ratios) and any(per_n.values())
+    return [f"**Done-when check across hosts (issue 41), 1 Gbit/s.** The best Horovod ring at >= "
+            f"{pct(LINK_TARGET)} of the link at {n} hosts, {size(big)}: {VERDICT[ring_met]} "
+            f"(`{best}` {pct(busbw[best])}). `{LIKE_MPI4PY}` (Open MPI's ring under Horovod) within "
+            f"{x(MPI4PY_TARGET)} of `mpi4py-ring`'s time from {size(smallest)} up: {VERDICT[mpi_met]} ("
+            f"{mpi4py_figure(cl)}). Horovod's training step against DDP's: 6.3.", ""]
+
+
+def ddp_check(cl: dict) -> list[str]:
+    """Issue 41's done-when for training across hosts: Horovod's ResNet-18 step as shipped at
+    least as fast as DDP's at every host count on the 1 Gbit/s links."""
+    pairs = ddp_over_horovod(cl)
+    if not pairs:
+        return []
+    met = all(v >= DDP_TARGET for _, v in pairs)
+    return [f"**Done-when check across hosts (issue 41): Horovod's training step at >= {x(DDP_TARGET)} "
+            f"DDP's speed on the 1 Gbit/s links** (DDP's seconds per step / Horovod's): {VERDICT[met]} "
+            f"({ddp_figure(cl)}).", ""]
 
 
 def hierarchical(cl: dict, big: int) -> list[str]:
@@ -398,7 +496,7 @@ def training(res: dict, cl: dict, quick: bool) -> list[str]:
         lines += training_table(cl, fw, rec, quick)
     lines += knobs(cl, quick)
     if not quick:
-        lines += model_check(cl)
+        lines += ddp_check(cl) + model_check(cl)
     failed = [r for r in cl.get("training", []) if not r.get("ok")]
     lines += [f"- training `{r['name']}` failed: {(r.get('error') or '?').splitlines()[-1:]}" for r in failed]
     return lines + ([""] if failed else [])

@@ -102,8 +102,19 @@ def links(res: dict) -> list[Row]:
         return []
     label = cl["profiles"]["1g"]["label"].split(" (")[0]
     figure = WITHHELD if _quick(res, "cluster") else f"{pct(busbw[best])} (`{best}`)"
-    return [Row(f"Horovod's best ring, {size(big)} on {n} hosts' {label} links: busbw / link rate "
-                f"(target >= {pct(report_cluster.BUSBW_TARGET)})", figure, "6.1", "cluster", "collectives")]
+    rows = [Row(f"Horovod's best ring, {size(big)} on {n} hosts' {label} links: busbw / link rate "
+                f"(target >= {pct(report_cluster.LINK_TARGET)})", figure, "6.1", "cluster", "collectives")]
+    said = report_cluster.mpi4py_figure(cl)
+    if said:
+        rows.append(Row(f"Horovod (Open MPI's ring) allreduce time / mpi4py's (the same ring) on {label} "
+                        f"links (target <= {x(report_cluster.MPI4PY_TARGET)})",
+                        WITHHELD if _quick(res, "cluster") else said, "6.1", "cluster", "collectives"))
+    said = report_cluster.ddp_figure(cl)
+    if said:
+        rows.append(Row(f"PyTorch ResNet-18 on {label} links: Horovod's speed / DDP's (target >= "
+                        f"{x(report_cluster.DDP_TARGET)})", WITHHELD if _quick(res, "cluster") else said,
+                        "6.3", "cluster", "torch"))
+    return rows
 
 
 def floor(res: dict) -> list[Row]:
