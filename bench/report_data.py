@@ -120,8 +120,8 @@ def loop_steps_text(data: dict, fw: str, m: dict) -> str:
         return str(m["loop_steps"])
     steps = {r["np"]: r["timed_steps"] for r in data.get("throughput", [])
              if (r["framework"], r["model"], r["kind"]) == (fw, m["name"], "loop") and "timed_steps" in r}
-    return ("as many as the trainer's epoch ("
-            + ", ".join(f"{s} at -np {n}" for n, s in sorted(steps.items())) + ")")
+    counts = ", ".join(f"{s} at -np {n}" for n, s in sorted(steps.items()))
+    return "as many as the trainer's epoch" + (f" ({counts})" if counts else "")
 
 
 def item_cost_s(data: dict, model: str, fw: str) -> float | None:

@@ -104,7 +104,7 @@ def links(res: dict) -> list[Row]:
     figure = WITHHELD if _quick(res, "cluster") else f"{pct(busbw[best])} (`{best}`)"
     rows = [Row(f"Horovod's best ring, {size(big)} on {n} hosts' {label} links: busbw / link rate "
                 f"(target >= {pct(report_cluster.LINK_TARGET)})", figure, "6.1", "cluster", "collectives")]
-    said = report_cluster.mpi4py_figure(cl)
+    said = report_cluster.mpi4py_figure(report_cluster.mpi4py_ratios(cl))
     if said:
         rows.append(Row(f"Horovod (Open MPI's ring) allreduce time / mpi4py's (the same ring) on {label} "
                         f"links (target <= {x(report_cluster.MPI4PY_TARGET)})",
