@@ -11,6 +11,14 @@ with its session's autogroup at the same nice.  Every rank records its wall, CPU
 wait seconds over the timed repetitions (``coll_worker.sched_times``); the load average is read
 before each cell.  The hosts live under their own prefix (``rcc-``), so this can run beside
 ``make bench-cluster``.
+
+``--train`` adds training cells (``bench/cluster.py``'s ResNet-18 step, its ``TrainRun``), run after
+each round's collectives, in the order given; each is a base with optional variables for every
+rank (``horovod:HOROVOD_UPSTREAM_LOOP=1``; several joined by ``;``)::
+
+    python -m bench.cluster_cells --profile 1g --hosts 2,4 --impls '' --rounds 2 \\
+        --train 'ddp,horovod,horovod:HOROVOD_UPSTREAM_LOOP=1,horovod-ring,horovod-gloo' \\
+        --out bench/results/cluster_train_check.json
 """
 
 from __future__ import annotations
@@ -34,6 +42,23 @@ NICE = -15
 PRIORITISE = f'echo {NICE} > /proc/self/autogroup 2>/dev/null; exec nice -n {NICE} "$@"'
 MODES = {"plain": (), "nice": ("sh", "-c", PRIORITISE, "sh")}
 UNITS = {"K": 2 ** 10, "M": 2 ** 20}
+# --train's bases: (wrapper, horovodrun flags, variables for every rank)
+TRAIN_BASES = {"ddp": ("ddp", (), ()), "horovod": ("horovod", (), ()),
+               "horovod-ring": ("horovod", (), tuple(cluster.RING.items())),
+               "horovod-gloo": ("horovod", ("--gloo",), ())}
+
+
+def parse_train(spec: str, hosts: int, profile: str) -> cluster.TrainRun:
+    """``base[:K=V[;K=V...]]`` (a base of :data:`TRAIN_BASES`) -> the torch training cell."""
+    base, _, extra = spec.partition(":")
+    if base not in TRAIN_BASES:
+        raise ValueError(f"unknown training cell {base!r} (from {', '.join(TRAIN_BASES)})")
+    wrapper, flags, env = TRAIN_BASES[base]
+    pairs = [kv.split("=", 1) for kv in extra.split(";") if kv]
+    if any(len(kv) != 2 or not kv[0] for kv in pairs):
+        raise ValueError(f"training cell {spec!r}: variables go as K=V;K=V")
+    return cluster.TrainRun("torch", wrapper, hosts, profile, variant=spec.replace(":", "+"),
+                            flags=flags, env=env + tuple(tuple(kv) for kv in pairs))
 
 
 def parse_size(text: str) -> int:
@@ -108,6 +133,24 @@ def summarize(cells: list[dict]) -> list[dict]:
     return list(lines.values())
 
 
+def summarize_training(cells: list[dict]) -> list[dict]:
+    """One line per (training cell, hosts): seconds per step in each round, and where the round
+    also ran ``ddp`` on as many hosts, this cell's speed over DDP's (DDP's s/step over its own)."""
+    ddp = {(c["hosts"], c["round"]): c["result"]["seconds_per_step"]
+           for c in cells if c["ok"] and c["spec"] == "ddp"}
+    lines: dict[tuple, dict] = {}
+    for cell in cells:
+        line = lines.setdefault((cell["spec"], cell["hosts"]), {
+            "spec": cell["spec"], "hosts": cell["hosts"], "seconds_per_step": [], "speed_over_ddp": []})
+        if not cell["ok"]:
+            continue
+        s = cell["result"]["seconds_per_step"]
+        line["seconds_per_step"].append(round(s, 4))
+        if (cell["hosts"], cell["round"]) in ddp:
+            line["speed_over_ddp"].append(round(ddp[cell["hosts"], cell["round"]] / s, 3))
+    return list(lines.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.cluster_cells", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
@@ -119,21 +162,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="plain,nice", help=f"from {', '.join(MODES)}, run in this order")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="extra variable for every rank")
+    p.add_argument("--train", default="", help="training cells, comma-separated (see above; from "
+                   f"{', '.join(TRAIN_BASES)}), after each round's collectives")
     p.add_argument("--out", required=True, help="JSON to write")
     args = p.parse_args(argv)
-    impls, modes = args.impls.split(","), args.modes.split(",")
+    impls, modes = [x for x in args.impls.split(",") if x], args.modes.split(",")
     bad = [x for x in impls if x not in cluster.COLLECTIVES] + [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"unknown impl or mode {bad[0]!r}; see --help")
     extra = tuple(tuple(kv.split("=", 1)) for kv in args.env)
     hosts = [int(h) for h in args.hosts.split(",")]
+    trains = [t for t in args.train.split(",") if t]
+    try:
+        for spec in trains:
+            parse_train(spec, 2, args.profile)
+    except ValueError as err:
+        raise SystemExit(f"cluster_cells: {err}") from None
     cfg = cluster.ClusterConfig(coll_sizes=[parse_size(s) for s in args.sizes.split(",")], timeout_s=300)
     out = util.REPO / args.out
     work = out.parent / "tmp" / "cells"
     given = argv if argv is not None else sys.argv[1:]
     data = {"command": "python -m bench.cluster_cells " + " ".join(given),
             "started": time.strftime("%Y-%m-%d %H:%M %Z"), "profile": args.profile, "env": dict(extra),
-            "modes": {m: list(MODES[m]) for m in modes}, "config": cfg.to_dict(), "cells": []}
+            "modes": {m: list(MODES[m]) for m in modes}, "config": cfg.to_dict(), "cells": [],
+            "training": []}
     reason = nh.why_unavailable()
     if reason:
         raise SystemExit(f"cluster_cells: {reason}")
@@ -160,13 +212,26 @@ def main(argv: list[str] | None = None) -> int:
                                    machine_cores={k: round((cpu1[k] - cpu0[k]) / wall, 3) for k in cpu1})
                         data["cells"].append(rec)
                         util.write_json(out, {**data, "summary": summarize(data["cells"])})
+                for spec in trains:
+                    load, t0 = os.getloadavg()[0], time.perf_counter()
+                    run = parse_train(spec, n, args.profile)
+                    rec = cl.train(cfg, dataclasses.replace(run, env=run.env + extra))
+                    rec.update(spec=spec, round=rnd, load_before=round(load, 2),
+                               cell_seconds=round(time.perf_counter() - t0, 1))
+                    data["training"].append(rec)
+                    util.write_json(out, {**data, "summary": summarize(data["cells"]),
+                                          "training_summary": summarize_training(data["training"])})
     data["summary"] = summarize(data["cells"])
+    data["training_summary"] = summarize_training(data["training"])
     util.write_json(out, data)
     for line in data["summary"]:
         util.say(f"{line['impl']} h{line['hosts']} {line['bytes'] >> 20} MiB {line['mode']}: busbw/link "
                  f"{line['busbw_of_link']}, busiest thread waiting/wall {line['max_busiest_wait_of_wall']}, "
                  f"running/wall {line['max_busiest_run_of_wall']}, "
                  f"load {line['load_before']}")
+    for line in data["training_summary"]:
+        util.say(f"train {line['spec']} h{line['hosts']}: s/step {line['seconds_per_step']}, "
+                 f"speed over DDP {line['speed_over_ddp']}")
     return 0
 
 

@@ -458,6 +458,34 @@ def test_cells_sizes_and_summary():
     assert by_mode["plain"]["ranks_cores"] == [1.0, 1.0]  # two ranks, each 1 CPU second in 2 s
 
 
+def test_cluster_cells_training_cells():
+    run = cluster_cells.parse_train("horovod-gloo:HOROVOD_CYCLE_TIME=5;A=b=c", 4, "1g")
+    assert (run.framework, run.wrapper, run.hosts, run.flags) == ("torch", "horovod", 4, ("--gloo",))
+    assert run.env == (("HOROVOD_CYCLE_TIME", "5"), ("A", "b=c"))
+    assert run.name == "torch/horovod/horovod-gloo+HOROVOD_CYCLE_TIME=5;A=b=c/1g/h4x1"
+    ring = cluster_cells.parse_train("horovod-ring", 2, "1g")
+    assert dict(ring.env)["OMPI_MCA_coll_tuned_allreduce_algorithm"] == "4" and ring.flags == ()
+    assert cluster_cells.parse_train("ddp", 2, "1g").wrapper == "ddp"
+    for bad in ("horovod-nccl", "horovod:NOVALUE", "horovod:=1"):
+        with pytest.raises(ValueError):
+            cluster_cells.parse_train(bad, 2, "1g")
+
+    def cell(spec, hosts, rnd, seconds, ok=True):
+        return {"spec": spec, "hosts": hosts, "round": rnd, "ok": ok,
+                **({"result": {"seconds_per_step": seconds}} if ok else {})}
+
+    lines = cluster_cells.summarize_training([
+        cell("ddp", 2, 0, 0.6), cell("horovod", 2, 0, 0.75), cell("ddp", 2, 1, 0.5),
+        cell("horovod", 2, 1, 0.5), cell("horovod", 4, 0, 1.0), cell("horovod", 2, 2, 0.4),
+        cell("horovod-gloo", 2, 0, 0.1, ok=False)])
+    by = {(line["spec"], line["hosts"]): line for line in lines}
+    assert by["horovod", 2]["seconds_per_step"] == [0.75, 0.5, 0.4]
+    # each round against that round's DDP; a round without DDP on as many hosts has no ratio
+    assert by["horovod", 2]["speed_over_ddp"] == [0.8, 1.0]
+    assert by["horovod", 4]["speed_over_ddp"] == [] and by["ddp", 2]["speed_over_ddp"] == [1.0, 1.0]
+    assert by["horovod-gloo", 2]["seconds_per_step"] == []  # a failed cell is left out, not zero
+
+
 # -- the headline and each section's date and build (bench/report_headline.py, report_builds.py) -----
 
 OLD, NEW = "0.28.1", "0.28.1+ringtrain.0123456789"
