@@ -37,9 +37,13 @@ def main() -> None:
                    help="cuda: the model, and with --data mnist the whole training set, on the GPU")
     p.add_argument("--amp", action="store_true",
                    help="mixed precision, as the trainer's --amp (--device cuda, --wrapper none)")
+    p.add_argument("--fused", action="store_true",
+                   help="SGD's fused kernel, as the trainer's optimizer on a GPU (--device cuda)")
     args = p.parse_args()
     if args.amp and (args.device != "cuda" or args.wrapper != "none"):
         p.error("--amp needs --device cuda and --wrapper none")
+    if args.fused and args.device != "cuda":
+        p.error("--fused needs --device cuda (the trainer uses it on a GPU only)")
     device = torch.device(args.device)
     rank, size, local_size, hvd, dist = 0, 1, 1, None, None
     if args.wrapper == "horovod":
@@ -71,7 +75,8 @@ def main() -> None:
         shape, classes = args.input_shape, args.classes
     torch.manual_seed(rank)
     model = build(args.model, image_data(shape, classes), 0.5).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.base_lr * size, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.base_lr * size, momentum=0.9,
+                                fused=args.fused or None)
     if hvd is not None:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -118,7 +123,7 @@ def main() -> None:
     seconds = slowest_torch(clock.seconds, hvd, dist)
     if rank == 0:
         extra = {"torch": torch.__version__, "model": args.model, "device": args.device, "amp": args.amp,
-                 "input_shape": list(shape), "classes": classes,
+                 "fused": args.fused, "input_shape": list(shape), "classes": classes,
                  "rank0_cores_busy": clock.cpu_seconds / clock.seconds}
         if folder:
             extra.update(workers=workers(trainer, local_size),

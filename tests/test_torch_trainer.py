@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
-from conftest import SMALL, SUMMARY_KEYS, metrics, requires_horovod, train
+from conftest import SMALL, SUMMARY_KEYS, metrics, requires_horovod, run, train
 
 pytestmark = requires_horovod
 MODULE = "launch.torch_mnist"
@@ -61,3 +63,50 @@ def test_resume_continues_from_saved_epoch(tmp_path):
     assert [e["epoch"] for e in m["epochs"]] == [2]
     assert len(set(m["param_checksums"])) == 1
     assert (ckpt / "ckpt-epoch0002.pt").exists()
+
+
+# On a GPU the trainer's SGD is the fused kernel (torch_models.run.fused_sgd) and --amp hands
+# GradScaler's non-finite flag to that kernel (keep_fused_amp_step).  CI has no GPU: the same
+# code runs here on a CPU (PyTorch has a fused SGD for CPUs too), the trainer's --amp recipe step
+# by step, against the foreach SGD the trainer keeps on CPUs.
+FUSED_AMP_PROBE = r"""
+import torch, horovod.torch as hvd
+from torch_models.run import keep_fused_amp_step
+hvd.init()
+def opened(fused):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+    opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+    lost = getattr(opt, "_step_supports_amp_scaling", False)
+    keep_fused_amp_step(opt)
+    return model, opt, torch.amp.GradScaler("cpu", init_scale=1024.0), lost
+runs = {f: opened(f) for f in (None, True)}
+assert not runs[True][3], "DistributedOptimizer kept the flag: keep_fused_amp_step is not needed"
+assert runs[True][1]._step_supports_amp_scaling and not hasattr(runs[None][1], "_step_supports_amp_scaling")
+for step in range(5):
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(step))
+    for model, opt, scaler, _ in runs.values():
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        if step == 2:  # a non-finite gradient: GradScaler must skip the step and halve its scale
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        opt.synchronize()  # the trainer's --amp recipe (Horovod's)
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        assert moved == (step != 2), (step, moved)
+    (ma, _, sa, _), (mb, _, sb, _) = runs.values()
+    assert sa.get_scale() == sb.get_scale() == (1024.0 if step < 2 else 512.0)
+    for a, b in zip(ma.parameters(), mb.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), (step, (a - b).abs().max())
+print("fused amp ok")
+"""
+
+
+def test_fused_sgd_amp_step_skips_non_finite_as_foreach():
+    proc = run([sys.executable, "-c", FUSED_AMP_PROBE], timeout=120)
+    assert proc.returncode == 0 and "fused amp ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -11,6 +11,7 @@ BatchNorm's buffers, evaluation, checkpoints, the checksums.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import horovod.torch as hvd
 import numpy as np
@@ -32,11 +33,33 @@ from torch_models.evaluation import FiniteWatch, parameters
 from torch_models.model import build
 
 
+def fused_sgd(model: torch.nn.Module, device: torch.device) -> bool:
+    """SGD's fused kernel (one launch per step) where it applies: a GPU, floating-point weights
+    and no sparse gradients.  PyTorch's default there, the foreach path, launches several kernels
+    and costs more Python per step, and the CNN's GPU step is bound by the CPU that issues it
+    (docs/gpu.md).  On a CPU the default stays: the CPU tests compare numbers to the last digit."""
+    if device.type != "cuda":
+        return False
+    sparse = any(getattr(m, "sparse", False) is True for m in model.modules())
+    return not sparse and all(p.is_cuda and p.is_floating_point() for p in model.parameters())
+
+
+def keep_fused_amp_step(optimizer: torch.optim.Optimizer) -> None:
+    """After ``hvd.DistributedOptimizer``: SGD(fused=True) tells GradScaler (--amp) that its kernel
+    skips a step whose gradients are not finite by itself, with no wait for the GPU (the foreach
+    path reads GradScaler's flag on the host every step).  DistributedOptimizer rebuilds the
+    optimizer from its param groups alone and loses that; say it again."""
+    if any(group.get("fused") for group in optimizer.param_groups):
+        optimizer._step_supports_amp_scaling = True
+
+
 class TorchRun(FrameworkRun):
     """One rank's PyTorch run.  ``elastic``: a worker of an elastic job, which issues no
     collective while it opens (a worker joining later would never be matched with it): its data
     is opened alone, rank 0 alone checks the folders and restores, and Horovod's elastic state,
     not a broadcast here, hands rank 0's weights to everyone."""
+
+    fused: bool | None = None  # SGD's fused kernel (a GPU; see fused_sgd), else PyTorch's default
 
     def __init__(self, args: argparse.Namespace, *, elastic: bool = False) -> None:
         self.args, k = args, args.backward_passes_per_step
@@ -76,11 +99,14 @@ class TorchRun(FrameworkRun):
         args = self.args
         # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
         lr = self.target_lr if not elastic else args.base_lr  # elastic: set per step, per world
-        optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=args.momentum)
+        self.fused = fused_sgd(self.model, self.device) or None
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=args.momentum,
+                                    fused=self.fused)
         # Horovod: wrap the optimizer: step() averages the gradients over all ranks (ring allreduce).
         self.optimizer = hvd.DistributedOptimizer(optimizer,
                                                   named_parameters=self.model.named_parameters(),
                                                   **distributed_optimizer_options(args, hvd))
+        keep_fused_amp_step(self.optimizer)
         # Resume into the wrapped optimizer: DistributedOptimizer builds a new optimizer from the
         # param groups alone, so state loaded before wrapping (the momentum buffers) would be lost.
         if elastic:  # the first sync hands rank 0's restored state to all
@@ -99,13 +125,15 @@ class TorchRun(FrameworkRun):
     # --- one optimizer step ---------------------------------------------------------------------
 
     def batches(self, steps):
+        # Once per epoch, not per step (19 us of the CNN's GPU step, bound by the CPU): only the
+        # evaluation between epochs switches the model to eval mode.
+        self.model.train()
         return self.data.epoch(steps)
 
     def step(self, batch, lr: float) -> tuple[Loss, int]:
         x_all, y_all = batch
         model, optimizer, scaler = self.model, self.optimizer, self.scaler
         k = self.args.backward_passes_per_step
-        model.train()  # evaluation in between switched it off
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad()
@@ -113,12 +141,14 @@ class TorchRun(FrameworkRun):
         for micro in range(k):
             x, y = (x_all, y_all) if k == 1 else (x_all[micro * self.micro:][:self.micro],
                                                   y_all[micro * self.micro:][:self.micro])
-            with torch.autocast("cuda", enabled=scaler is not None):
+            # (autocast's context, even disabled, costs 12 us of Python a step: only with --amp)
+            with torch.autocast("cuda") if scaler is not None else contextlib.nullcontext():
                 loss = F.cross_entropy(model(x), y)
             # Sums stay on the device: reading a GPU value every step would stall the GPU.  One
             # kernel per batch: on a GPU the small CNN's step is bound by kernel launches.
-            self.loss_sum.add_(loss.detach(), alpha=len(y))
-            losses.append((loss.detach(), len(y)))
+            value = loss.detach()
+            self.loss_sum.add_(value, alpha=len(y))
+            losses.append((value, len(y)))
             scaled = loss / k if k > 1 else loss
             if scaler is not None:
                 scaler.scale(scaled).backward()
@@ -165,8 +195,11 @@ class TorchRun(FrameworkRun):
                          self.identity, self.args)
 
     def restore(self) -> int:
-        return checkpoints.restore(self.args.checkpoint_dir, self.model, self.optimizer,
-                                   self.identity)
+        epoch = checkpoints.restore(self.args.checkpoint_dir, self.model, self.optimizer,
+                                    self.identity)
+        for group in self.optimizer.param_groups:  # the checkpoint's groups say where it was written
+            group["fused"] = self.fused
+        return epoch
 
     def parameters(self) -> list[np.ndarray]:
         return parameters(self.model)
