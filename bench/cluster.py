@@ -39,6 +39,7 @@ from pathlib import Path
 
 from bench import costmodel, util
 from bench import netns_hosts as nh
+from launch.horovodrun import with_controller
 
 PREFIX = "rtc-"
 IFACE = "rtceth0"
@@ -346,6 +347,14 @@ def enrich(row: dict, formula: str, ranks: int, hosts: int, profile: Profile) ->
     return row
 
 
+def shipped_flags(hosts: int) -> tuple[str, ...]:
+    """The controller flag ``python -m launch.horovodrun`` adds for a job on ``hosts`` hosts
+    (``--gloo`` across hosts): the "default" Horovod cells run as users' jobs do; the "mpi" cells
+    keep horovodrun's own default."""
+    argv, _ = with_controller(["-H", ",".join(f"h{i}:1" for i in range(hosts)), "python"])
+    return tuple(argv[:argv.index("-H")])
+
+
 def plan_training(cfg: ClusterConfig, profile: str) -> list[TrainRun]:
     runs: list[TrainRun] = []
     hosts = cfg.train_hosts.get(profile, [])
@@ -355,7 +364,9 @@ def plan_training(cfg: ClusterConfig, profile: str) -> list[TrainRun]:
             runs.append(TrainRun("torch", "none", 1, profile))
         runs += [TrainRun("torch", "alone", n, profile) for n in multi]
     for n in multi:
-        runs.append(TrainRun("torch", "horovod", n, profile))
+        runs.append(TrainRun("torch", "horovod", n, profile, flags=shipped_flags(n)))
+        if shipped_flags(n) and not cfg.quick:
+            runs.append(TrainRun("torch", "horovod", n, profile, variant="mpi"))
         if cfg.ddp:
             runs.append(TrainRun("torch", "ddp", n, profile))
     if profile == cfg.knob_profile:
@@ -380,7 +391,10 @@ def plan_training(cfg: ClusterConfig, profile: str) -> list[TrainRun]:
             if 1 in cfg.tf_hosts.get(profile, []):
                 runs.append(TrainRun("tf", "none", 1, profile))
             runs += [TrainRun("tf", "alone", n, profile) for n in cfg.tf_alone_hosts]
-        runs += [TrainRun("tf", "horovod", n, profile) for n in tf_multi]
+        runs += [TrainRun("tf", "horovod", n, profile, flags=shipped_flags(n)) for n in tf_multi]
+        if profile == cfg.knob_profile:  # horovodrun's own default (MPI), where it differs
+            runs += [TrainRun("tf", "horovod", n, profile, variant="mpi")
+                     for n in tf_multi[:1] if shipped_flags(n)]
     return runs
 
 

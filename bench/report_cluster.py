@@ -15,8 +15,12 @@ FW = {"torch": "PyTorch", "tf": "TensorFlow/Keras 3"}
 MODEL_NAMES = {"resnet18": "ResNet-18", "resnet50": "ResNet-50"}
 PS = "mpi4py-param-server"
 # which measured collective stands for each training setup's gradient exchange
-EXCHANGE = {("torch", "horovod", "default"): "horovod-mpi", ("torch", "ddp", "default"): "torch-gloo",
-            ("tf", "horovod", "default"): "horovod-mpi", ("torch", "horovod", "mpi-ring"): "horovod-mpi-ring",
+# ("default": as python -m launch.horovodrun runs a job across hosts, horovodrun --gloo; "mpi":
+# horovodrun's own default)
+EXCHANGE = {("torch", "horovod", "default"): "horovod-gloo", ("torch", "ddp", "default"): "torch-gloo",
+            ("torch", "horovod", "mpi"): "horovod-mpi", ("tf", "horovod", "mpi"): "horovod-mpi",
+            ("tf", "horovod", "default"): "horovod-gloo",
+            ("torch", "horovod", "mpi-ring"): "horovod-mpi-ring",
             ("torch", "horovod", "mpi-ring+fp16"): "horovod-mpi-ring", ("torch", "ddp", "fp16"): "torch-gloo"}
 
 
@@ -175,7 +179,8 @@ def collectives(res: dict, cl: dict, quick: bool) -> list[str]:
              "host interface in one direction per repetition (each rank reads `/proc/net/dev` in its "
              "namespace around each size's repetitions), against the algorithm's formula: "
              "2(N-1)/N x K for a ring, (N-1) x K into (and again out of) the parameter server. "
-             "`horovod-mpi` is Horovod's MPI controller as shipped: CPU tensors go to `MPI_Allreduce`, "
+             "`horovod-mpi` is Horovod's MPI controller, horovodrun's default: CPU tensors go to "
+             "`MPI_Allreduce`, "
              "and Open MPI's tuned component picks the algorithm; `-ring` variants set "
              "`OMPI_MCA_coll_tuned_use_dynamic_rules=1 OMPI_MCA_coll_tuned_allreduce_algorithm=4` "
              "(Open MPI's ring). `horovod-gloo` and `torch-gloo` use Gloo's ring.", "",
@@ -366,7 +371,8 @@ def ddp_over_horovod(cl: dict, variant: str = "default", profile: str = "1g") ->
 
 def ddp_figure(cl: dict) -> str:
     said = []
-    for variant, name in (("default", "as shipped"), ("mpi-ring", "with Open MPI's ring")):
+    for variant, name in (("default", "as shipped (`launch.horovodrun`: Gloo across hosts)"),
+                          ("mpi", "with horovodrun's MPI default"), ("mpi-ring", "with Open MPI's ring")):
         pairs = ddp_over_horovod(cl, variant)
         if pairs:
             said.append(f"{name} " + ", ".join(f"{x(v)} at {n} hosts" for n, v in pairs))
@@ -556,8 +562,9 @@ def training_table(cl: dict, fw: str, rec: dict, quick: bool) -> list[str]:
 
 
 def knobs(cl: dict, quick: bool) -> list[str]:
+    knob = cl.get("config", {}).get("knob_profile")
     runs = [r for r in cl.get("training", []) if r.get("ok") and r["framework"] == "torch"
-            and (r["variant"] != "default" or r["slots"] > 1)]
+            and (r["variant"] != "default" or r["slots"] > 1) and r["profile"] in (knob, None)]
     if not runs:
         return []
     profile, n = runs[0]["profile"], max(r["hosts"] * r["slots"] for r in runs)
@@ -574,6 +581,8 @@ def knobs(cl: dict, quick: bool) -> list[str]:
     head = ["setting", "hosts x ranks", "s/step"] + ([] if quick else ["speed-up vs Horovod default",
                                                                        "vs Horovod + MPI ring"])
     return [f"**What Horovod's knobs buy ({cl['profiles'][profile]['label']}, {n} ranks, PyTorch)**", "",
+            "`default`: as `python -m launch.horovodrun` runs it across hosts, `horovodrun --gloo`. "
+            "`mpi`: horovodrun's own default, Open MPI's tuned allreduce. "
             "`mpi-ring`: Open MPI's ring allreduce (as in 6.1). `fp16`: `hvd.Compression.fp16` (DDP: "
             "`fp16_compress_hook`). `fusion-0`: `--fusion-threshold-mb 0`, one allreduce per tensor. "
             "`cycle-<t>ms`: `--cycle-time-ms <t>` (default 1). `hierarchical`: "

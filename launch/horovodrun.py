@@ -7,6 +7,10 @@ Open MPI's 20-line "not enough slots" help text.  This wrapper checks both first
 and says what is wrong in one line (exit status 2); then it runs horovodrun with the same
 arguments, passing its output through, and turns a traceback of horovodrun's own (not a rank's:
 those carry a ``[rank]`` tag) into its last line.
+
+Where ``-H``/``--hostfile`` names more than one host and no controller is chosen (``--gloo``,
+``--mpi``, ``--jsrun``), it runs ``horovodrun --gloo``: across hosts Horovod's Gloo controller and
+collectives trained faster than its MPI ones on the emulated cluster (docs/clusters.md).
 """
 
 from __future__ import annotations
@@ -133,6 +137,25 @@ def preflight(argv: list[str]) -> None:
                         f"network, or leave the host out")
 
 
+def hosts_in(argv: list[str]) -> int:
+    """How many machines ``-H``/``--hostfile`` names (this host's own names count once)."""
+    names = {"localhost" if h in _LOCAL else h for h, _ in hosts_and_slots(argv)}
+    return len(names)
+
+
+def with_controller(argv: list[str]) -> tuple[list[str], str | None]:
+    """``argv`` with ``--gloo`` put first where the job spans hosts and names no controller, and
+    the note that says so; else ``argv`` as it is and None.  Elastic jobs
+    (``--host-discovery-script``) run on Gloo anyway."""
+    own = own_flags(argv)
+    chosen = {"--gloo", "--mpi", "--jsrun"} & set(own)
+    hosts = hosts_in(argv)
+    if chosen or hosts < 2 or _value(argv, "--host-discovery-script"):
+        return argv, None
+    return ["--gloo", *argv], (f"note: the job spans {hosts} hosts: running horovodrun --gloo "
+                               f"(faster than MPI across hosts, docs/clusters.md); --mpi keeps MPI")
+
+
 def _pass_through(stream, sink, state: dict, hold: bool) -> None:
     """Copy lines; with ``hold``, keep back a traceback that starts at column 0 (horovodrun's
     own: a rank's lines carry a tag) and everything after it."""
@@ -159,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         return 0
     preflight(argv)
+    argv, note = with_controller(argv)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     exe = shutil.which("horovodrun", path=f"{Path(sys.executable).parent}{os.pathsep}"
                                           f"{os.environ.get('PATH', '')}")
     if exe is None:

@@ -891,3 +891,22 @@ def test_horovodrun_flags_are_read_like_horovodrun(tmp_path):
     assert hosts_and_slots(["--hostfile", str(hostfile)]) == [("node1", 4), ("node2", 2)]
     assert exception_line(["Traceback (most recent call last):\n", '  File "x", line 1\n',
                            "RuntimeError: first\n", "second line\n"]) == "RuntimeError: first second line"
+
+
+def test_horovodrun_across_hosts_runs_gloo_unless_told():
+    """``python -m launch.horovodrun`` picks Gloo where the hosts span machines (measured faster
+    than MPI there: docs/clusters.md); a chosen controller, one host or an elastic job is left
+    alone; the bench's "default" cells run what it picks."""
+    from bench.cluster import shipped_flags
+    from launch.horovodrun import with_controller
+
+    cmd = ["python", "-m", "launch.torch_mnist"]
+    argv, note = with_controller(["-np", "4", "-H", "node1:2,node2:2", *cmd])
+    assert argv == ["--gloo", "-np", "4", "-H", "node1:2,node2:2", *cmd]
+    assert note.startswith("note: the job spans 2 hosts: running horovodrun --gloo") and "--mpi" in note
+    for kept in (["--mpi", "-np", "2", "-H", "a:1,b:1", *cmd], ["--gloo", "-np", "2", "-H", "a,b", *cmd],
+                 ["-np", "2", "-H", "localhost:1,127.0.0.1:1", *cmd],  # one machine by two names
+                 ["-np", "2", *cmd, "-H", "a:1,b:1"],                  # the command's flag, not ours
+                 ["-np", "2", "--host-discovery-script", "d.sh", *cmd]):
+        assert with_controller(kept) == (kept, None)
+    assert shipped_flags(2) == ("--gloo",) and shipped_flags(1) == ()
