@@ -48,7 +48,7 @@ bench-quick: bench-deps
 
 # The emulated cluster (4 network-namespace hosts on shaped links: collectives, bandwidth-bound
 # training, cost model, projection) and Horovod's small-message floor on one host: sections 6-7
-# of BENCHMARKS.md.  Needs root; on 2 cores at load average ~20 (2026-11-23) the cluster part took
-# 71 min and the floor part 9 min; ARGS=--quick for a short version that prints no comparisons.
+# of BENCHMARKS.md.  Needs root; on an idle 2-core machine (2026-11-28) the cluster part took
+# 31 min and the floor part 20 min; ARGS=--quick for a short version that prints no comparisons.
 bench-cluster: bench-deps
 	$(PY) -m bench --only cluster,floor $(ARGS)
