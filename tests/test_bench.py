@@ -366,11 +366,18 @@ def test_across_hosts_checks_judge_issue_41s_targets():
             "(64 KiB), <= 1.20x from 1 MiB up; 4 hosts: worst 2.00x (64 KiB), <= 1.20x from 1 MiB "
             "up)") in text
     # ResNet-18 at 4 hosts: Horovod 2.2 s, DDP 2.0 s, Horovod on Open MPI's ring 1.8 s
-    assert ("**not met** (as shipped 0.91x at 4 hosts; with Open MPI's ring 1.11x at 4 hosts)"
-            in " ".join(rc.ddp_check(cl)))
+    assert ("**not met** (as shipped (`launch.horovodrun`: Gloo across hosts) 0.91x at 4 hosts; "
+            "with Open MPI's ring 1.11x at 4 hosts)" in " ".join(rc.ddp_check(cl)))
     ddp = next(r for r in cl["training"] if r["name"] == "torch/ddp/default/1g/h4x1")
     ddp["result"]["seconds_per_step"] = 2.2
-    assert ": met (as shipped 1.00x at 4 hosts;" in " ".join(rc.ddp_check(cl))
+    assert ": met (as shipped (`launch.horovodrun`: Gloo across hosts) 1.00x at 4 hosts;" in " ".join(
+        rc.ddp_check(cl))
+    # horovodrun's MPI default, where the run has it, is named beside the shipped (Gloo) one
+    mpi = copy.deepcopy(next(r for r in cl["training"] if r["name"] == "torch/horovod/default/1g/h4x1"))
+    mpi.update(variant="mpi", name="torch/horovod/mpi/1g/h4x1")
+    mpi["result"]["seconds_per_step"] = 4.4
+    cl["training"].append(mpi)
+    assert "with horovodrun's MPI default 0.50x at 4 hosts;" in " ".join(rc.ddp_check(cl))
     from bench.report import render
 
     res = fake_results(quick=False)
@@ -591,7 +598,8 @@ def test_a_rerun_of_some_cells_dates_the_figures_it_holds():
     # the training cells were not rerun: their row keeps the part's own date
     ddp = headline(md)["PyTorch ResNet-18 on 1 Gbit/s + 0.2 ms links: Horovod's speed / DDP's (target >= "
                        "1.00x)"]
-    assert ddp[1:3] == ["6.3", "2026-11-23"] and ddp[0].startswith("as shipped 0.91x at 4 hosts")
+    assert ddp[1:3] == ["6.3", "2026-11-23"]
+    assert ddp[0].startswith("as shipped (`launch.horovodrun`: Gloo across hosts) 0.91x at 4 hosts")
     assert row[0].endswith("(`horovod-mpi-ring`)") and row[0].split()[0] in section_text(md, "6")
     # the rerun's build is now the current one: the collectives part's build is older
     assert "**Measured on an older build:** 2026-11-27 03:12 UTC" in section_text(md, "4")
