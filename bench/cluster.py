@@ -364,8 +364,9 @@ def plan_training(cfg: ClusterConfig, profile: str) -> list[TrainRun]:
             runs.append(TrainRun("torch", "none", 1, profile))
         runs += [TrainRun("torch", "alone", n, profile) for n in multi]
     for n in multi:
-        runs.append(TrainRun("torch", "horovod", n, profile, flags=shipped_flags(n)))
-        if shipped_flags(n) and not cfg.quick:
+        flags = shipped_flags(n)
+        runs.append(TrainRun("torch", "horovod", n, profile, flags=flags))
+        if flags and not cfg.quick:
             runs.append(TrainRun("torch", "horovod", n, profile, variant="mpi"))
         if cfg.ddp:
             runs.append(TrainRun("torch", "ddp", n, profile))
