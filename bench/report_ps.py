@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.tables import num, table
+from bench.tables import load_note, num, table
 
 
 def _mb(v: float | None) -> str:
@@ -121,7 +121,9 @@ def section(res: dict) -> list[str]:
     lines = ["## 9. Parameter servers (`--strategy ps`) against the ring", "",
              f"`bench/ps.py` (`python -m bench --only ps`), {ps.get('model', 'the CNN')}, one run per "
              f"cell, started {ps.get('started', '?')}.  Load average at the part's start {load0}, "
-             f"at its end {load1}: every rank of a cell shares this machine's cores with the others "
-             "(and with other jobs), so compare cells of this run, not absolute times.  What the "
+             f"at its end {load1} "
+             f"({load_note(ps.get('load_average_at_start'), (res.get('machine') or {}).get('cores'))}): "
+             "every rank of a cell shares this machine's cores with the others, so compare cells of "
+             "this run, not absolute times.  What the "
              "strategy is and when to use it: docs/parameter-servers.md.", ""]
     return lines + staleness(ps) + straggler(ps) + link(ps)

@@ -54,3 +54,13 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(out)
+
+
+def load_note(load_at_start: list[float] | None, cores: int | None) -> str:
+    """How a part's own-run comparisons should be read, from the 1-minute load average when it
+    started: a load above the core count means other jobs held cores too."""
+    if not load_at_start or not cores:
+        return "the load is not recorded"
+    if load_at_start[0] > cores:
+        return f"other jobs shared the {cores} cores"
+    return f"no other job was running on the {cores} cores"

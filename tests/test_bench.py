@@ -638,3 +638,27 @@ def test_a_ratio_just_under_the_data_target_never_reads_as_the_target():
 
     assert pct_of_target(0.897) == "89.7%" and pct_of_target(0.9049) == "90%"
     assert pct_of_target(0.90) == "90%" and pct_of_target(0.84) == "84%" and pct_of_target(1.03) == "103%"
+
+
+def test_a_part_says_whether_other_jobs_shared_the_cores_from_its_own_load():
+    """Sections 9 and 10 ask readers to compare rows within the run; whether other jobs were
+    running comes from the 1-minute load average the part recorded at its start, not a fixed
+    sentence (a run on an idle machine was once reported as shared)."""
+    import json
+    from pathlib import Path
+
+    from bench import report_pipeline, report_ps
+    from bench.tables import load_note
+
+    assert load_note([11.9, 9.6, 6.0], 2) == "other jobs shared the 2 cores"
+    assert load_note([0.03, 0.8, 1.6], 2) == "no other job was running on the 2 cores"
+    assert load_note(None, 2) == load_note([1.0], None) == "the load is not recorded"
+
+    res = json.loads((Path(__file__).parent.parent / "bench/results/results.json").read_text())
+    res["machine"]["cores"] = 2
+    for part, key, render in (("pipeline", "load_before", report_pipeline.section),
+                              ("ps", "load_average_at_start", report_ps.section)):
+        res[part][key] = [0.5, 0.5, 0.5]
+        assert "no other job was running on the 2 cores" in "\n".join(render(res)), part
+        res[part][key] = [7.0, 5.0, 3.0]
+        assert "other jobs shared the 2 cores" in "\n".join(render(res)), part
