@@ -58,9 +58,10 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 def load_note(load_at_start: list[float] | None, cores: int | None) -> str:
     """How a part's own-run comparisons should be read, from the 1-minute load average when it
-    started: a load above the core count means other jobs held cores too."""
+    started.  Above the core count, other work held cores then or in the minute before (the
+    average decays over about a minute, so a part that just ended still counts)."""
     if not load_at_start or not cores:
         return "the load is not recorded"
     if load_at_start[0] > cores:
-        return f"other jobs shared the {cores} cores"
+        return f"load above the {cores} cores at the start: other work ran beside it or just before"
     return f"no other job was running on the {cores} cores"

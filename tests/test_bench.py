@@ -650,7 +650,8 @@ def test_a_part_says_whether_other_jobs_shared_the_cores_from_its_own_load():
     from bench import report_pipeline, report_ps
     from bench.tables import load_note
 
-    assert load_note([11.9, 9.6, 6.0], 2) == "other jobs shared the 2 cores"
+    busy = "load above the 2 cores at the start: other work ran beside it or just before"
+    assert load_note([11.9, 9.6, 6.0], 2) == busy
     assert load_note([0.03, 0.8, 1.6], 2) == "no other job was running on the 2 cores"
     assert load_note(None, 2) == load_note([1.0], None) == "the load is not recorded"
 
@@ -661,4 +662,4 @@ def test_a_part_says_whether_other_jobs_shared_the_cores_from_its_own_load():
         res[part][key] = [0.5, 0.5, 0.5]
         assert "no other job was running on the 2 cores" in "\n".join(render(res)), part
         res[part][key] = [7.0, 5.0, 3.0]
-        assert "other jobs shared the 2 cores" in "\n".join(render(res)), part
+        assert busy in "\n".join(render(res)), part
