@@ -11,7 +11,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from bench.tables import FW_NAMES, num, pct, table
+from bench.tables import FW_NAMES, load_text, num, pct, table
 
 ANALYSIS = Path(__file__).with_name("data_analysis.md")  # the hand-written reading of section 8
 TARGET = 0.90  # the trainer on a folder against one fixed batch (issue #21)
@@ -161,8 +161,8 @@ def section(res: dict) -> list[str]:
     fws = ", ".join(FW_NAMES[f] for f in cfg["frameworks"])
     lines += [f"`python -m bench --only data` (`bench/owndata.py`), {data.get('started', '?')}, on "
               f"{data['cores']} cores: load average (1, 5, 15 min) "
-              f"{_load(load0)} at the start and {_load(load1)} at the end; each run's 1-minute load at "
-              f"its start is in `bench/results/data.json`. Frameworks measured: {fws}"
+              f"{load_text(load0)} at the start and {load_text(load1)} at the end; each run's 1-minute "
+              f"load at its start is in `bench/results/data.json`. Frameworks measured: {fws}"
               + ("" if "tf" in cfg["frameworks"] else " (TensorFlow's `tf.data` path: not measured yet)")
               + ". The folders are JPEG pictures written for the run and deleted after it (a filled "
               "circle, square or triangle, one class each, of random size, position and colour on a "
@@ -180,10 +180,6 @@ def section(res: dict) -> list[str]:
     if ANALYSIS.exists() and not data.get("quick"):
         lines += [ANALYSIS.read_text().strip(), ""]
     return lines
-
-
-def _load(values: list[float] | None) -> str:
-    return ", ".join(f"{v:.2f}" for v in values) if values else "n/a"
 
 
 def _memory(data: dict, rx) -> list[str]:

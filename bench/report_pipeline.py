@@ -6,7 +6,7 @@ of two measurements of the same run of the part.  In a quick or smoke run, ratio
 
 from __future__ import annotations
 
-from bench.tables import load_note, num, pct, table
+from bench.tables import load_note, load_text, num, pct, table
 
 WITHHELD = "-"
 
@@ -27,22 +27,17 @@ def section(res: dict) -> list[str]:
         lines += ["> **QUICK RUN**: few steps; the numbers show that the part works, and no ratio "
                   f"is printed (`{WITHHELD}`).", ""]
     lines += [f"`python -m bench --only pipeline` (`bench/pipeline.py`), {data.get('started', '?')}: "
-              f"load average (1, 5, 15 min) {_load(data.get('load_before'))} at the start and "
-              f"{_load(data.get('load_after'))} at the end "
+              f"load average (1, 5, 15 min) {load_text(data.get('load_before'))} at the start and "
+              f"{load_text(data.get('load_after'))} at the end "
               f"({load_note(data.get('load_before'), (res.get('machine') or {}).get('cores'))}: "
               "compare rows of this run with each other, not with other sections). PyTorch, "
-              "`horovodrun -np "
-              "2`, `OMP_NUM_THREADS=1`; each figure from the trainer's own `--metrics-out` summary. "
-              "See docs/pipeline.md.", ""]
+              "`horovodrun -np 2`, `OMP_NUM_THREADS=1`; each figure from the trainer's own "
+              "`--metrics-out` summary. See docs/pipeline.md.", ""]
     lines += _schedules(data, width, depth, comparing)
     lines += _versus(data, comparing)
     lines += _memory(data)
     lines += _link(data, comparing)
     return lines
-
-
-def _load(values: list[float] | None) -> str:
-    return ", ".join(f"{v:.2f}" for v in values) if values else "n/a"
 
 
 def _schedules(data: dict, width: int, depth: int, comparing: bool) -> list[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.tables import load_note, num, table
+from bench.tables import load_note, load_text, num, table
 
 
 def _mb(v: float | None) -> str:
@@ -116,8 +116,8 @@ def section(res: dict) -> list[str]:
     ps = res.get("ps")
     if not ps or "config" not in ps:
         return []
-    load0 = ", ".join(f"{v:.2f}" for v in ps.get("load_average_at_start", []))
-    load1 = ", ".join(f"{v:.2f}" for v in ps.get("load_average_at_end", []))
+    load0 = load_text(ps.get("load_average_at_start"))
+    load1 = load_text(ps.get("load_average_at_end"))
     lines = ["## 9. Parameter servers (`--strategy ps`) against the ring", "",
              f"`bench/ps.py` (`python -m bench --only ps`), {ps.get('model', 'the CNN')}, one run per "
              f"cell, started {ps.get('started', '?')}.  Load average at the part's start {load0}, "

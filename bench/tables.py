@@ -56,6 +56,11 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def load_text(values: list[float] | None) -> str:
+    """A recorded load average (1, 5, 15 min) as the report prints it."""
+    return ", ".join(f"{v:.2f}" for v in values) if values else "n/a"
+
+
 def load_note(load_at_start: list[float] | None, cores: int | None) -> str:
     """How a part's own-run comparisons should be read, from the 1-minute load average when it
     started.  Above the core count, other work held cores then or in the minute before (the
