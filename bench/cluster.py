@@ -82,6 +82,8 @@ COLLECTIVES = {
     "horovod-gloo": Coll("hvd", "horovodrun-gloo", "ring"),
     "mpi4py-allreduce": Coll("mpi4py", "mpirun", "ring"),
     "mpi4py-ring": Coll("mpi4py", "mpirun", "ring", tuple(RING.items())),
+    # mpi4py-ring after Horovod's per-cycle coordination round: its protocol's floor (coll_worker)
+    "mpi4py-ring-negotiated": Coll("mpi4py-negotiated", "mpirun", "ring", tuple(RING.items())),
     "torch-gloo": Coll("torch", "direct", "ring"),
     "mpi4py-param-server": Coll("ps", "mpirun", "ps"),
     # the rank waits by poll + sleep instead of horovod.torch's spinning wait (bench/cluster_cells.py)

@@ -7,7 +7,9 @@ bench runs it and with its ranks at high CPU priority, interleaved (A/B/A/B).
 
 A cell is what ``bench/cluster.py`` runs (same hosts, tc profile, launch line and
 ``bench/coll_worker.py`` arguments); the ``nice`` mode only starts every rank under ``nice -n -15``
-with its session's autogroup at the same nice.  Every rank records its wall, CPU and run-queue
+with its session's autogroup at the same nice, and the ``pinned`` mode pins host N's rank to core
+(N - 1) mod cores (the hosts share the cores evenly; ``--impls`` may include
+``mpi4py-ring-negotiated``, the floor of Horovod's protocol: see ``bench/coll_worker.py``).  Every rank records its wall, CPU and run-queue
 wait seconds over the timed repetitions (``coll_worker.sched_times``); the load average is read
 before each cell.  The hosts live under their own prefix (``rcc-``), so this can run beside
 ``make bench-cluster``.
@@ -40,7 +42,13 @@ SUBNET = "10.253.0"
 # its own session (sshd/orted), so "nice" also sets its session's autogroup nice.
 NICE = -15
 PRIORITISE = f'echo {NICE} > /proc/self/autogroup 2>/dev/null; exec nice -n {NICE} "$@"'
-MODES = {"plain": (), "nice": ("sh", "-c", PRIORITISE, "sh")}
+# "pinned": host N's rank runs on core (N - 1) mod cores, so the hosts split the cores evenly, as
+# real hosts would each have their own.  Unpinned, the scheduler sometimes leaves one rank a core
+# of its own and the other three one core between them (per-rank CPU 0.97 against 0.24-0.32 of
+# the wall, 4 hosts on 2 cores), and any implementation's 64 KiB time then rose by 1.4-2x:
+# which implementation drew that split decided their ratio (bench/cluster_analysis.md).
+PIN = 'h=$(hostname); n=$(getconf _NPROCESSORS_ONLN); exec taskset -c $(( (${h##*h} - 1) % n )) "$@"'
+MODES = {"plain": (), "nice": ("sh", "-c", PRIORITISE, "sh"), "pinned": ("sh", "-c", PIN, "sh")}
 UNITS = {"K": 2 ** 10, "M": 2 ** 20}
 # --train's bases: (wrapper, horovodrun flags, variables for every rank)
 TRAIN_BASES = {"ddp": ("ddp", (), ()), "horovod": ("horovod", (), ()),

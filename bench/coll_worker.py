@@ -6,7 +6,11 @@ choice; ``hvd-sleep``: the same, waited for by ``poll`` and a 0.5 ms sleep), ``m
 (a parameter server written with mpi4py point-to-point calls: every worker ``Send``s its buffer
 to rank 0, which ``Recv``s and sums them and ``Send``s the sum back, so all traffic is explicit
 and counted) or ``hier`` (hierarchical, with mpi4py: ``Reduce`` to one rank
-per host, ``Allreduce`` among those, ``Bcast`` back on each host; a host is a network namespace).
+per host, ``Allreduce`` among those, ``Bcast`` back on each host; a host is a network namespace)
+or ``mpi4py-negotiated`` (the least a negotiating library must do per call: first an ``Allreduce``
+of one 64-bit word with bitwise AND, which is Horovod's per-cycle ``CrossRankBitwiseAnd`` of its
+response cache's bit vector for one cached tensor (``common/response_cache.cc``), then the data's
+``Allreduce``; what Horovod costs beyond this is its own implementation, not its protocol).
 Every op sums float32 buffers in place; before each timed repetition the buffer is refilled with
 ones and the ranks meet at a barrier, and after it the result is checked (it must be N
 everywhere).
@@ -160,6 +164,7 @@ class Backend:
             self.comm, self.MPI = MPI.COMM_WORLD, MPI
             self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
             self.controller = "mpi"
+            self.bits = np.full(1, -1, dtype=np.int64)  # every bit set: the AND keeps them all
             if impl == "hier":
                 hosts = sorted(set(self.comm.allgather(host_id())))
                 local = self.comm.Split(hosts.index(host_id()), self.rank)
@@ -192,6 +197,9 @@ class Backend:
         elif self.impl == "torch":
             self.dist.all_reduce(buf)
         elif self.impl == "mpi4py":
+            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        elif self.impl == "mpi4py-negotiated":
+            self.comm.Allreduce(self.MPI.IN_PLACE, self.bits, op=self.MPI.BAND)
             self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
         elif self.impl == "hier":
             hier_allreduce(self.hier, buf)
@@ -267,6 +275,7 @@ def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float,
             raise RuntimeError(f"{be.impl}: wrong sum {float(buf[0])} (expected {be.size})")
     cpu = {"wall_s": time.perf_counter() - clock0, "cpu_s": time.process_time() - cpu0,
            "nice": os.getpriority(os.PRIO_PROCESS, 0), "autogroup": autogroup(),
+           "cores": sorted(os.sched_getaffinity(0)), "host": host_id(),
            **sched_delta(sched0, sched_times())}
     link = None
     if iface:
@@ -284,7 +293,8 @@ def measure(be: Backend, nbytes: int, warmup: int, reps: int, budget: float,
 
 def main() -> None:
     p = argparse.ArgumentParser(allow_abbrev=False)
-    p.add_argument("--impl", choices=("hvd", "hvd-sleep", "mpi4py", "torch", "ps", "hier"), required=True)
+    p.add_argument("--impl", required=True,
+                   choices=("hvd", "hvd-sleep", "mpi4py", "mpi4py-negotiated", "torch", "ps", "hier"))
     p.add_argument("--sizes", required=True, help="comma-separated byte counts")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--warmup-s", type=float, default=0.0,

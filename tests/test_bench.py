@@ -465,6 +465,28 @@ def test_cells_sizes_and_summary():
     assert by_mode["plain"]["ranks_cores"] == [1.0, 1.0]  # two ranks, each 1 CPU second in 2 s
 
 
+def test_pinned_mode_gives_each_emulated_host_one_core_round_the_machine(tmp_path):
+    """The ``pinned`` wrapper runs host hN's rank on core (N - 1) mod cores, whatever the job's
+    OMP_NUM_THREADS (GNU ``nproc`` counts that, not the cores: with it every rank went to core 0)."""
+    import os
+    import subprocess
+    import sys
+
+    cores = os.cpu_count() or 1
+    if os.sched_getaffinity(0) != set(range(cores)):
+        pytest.skip("this process may not use every online core")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for n in (1, 2, 3):
+        (fake / "hostname").write_text(f"#!/bin/sh\necho rcc-h{n}\n")
+        (fake / "hostname").chmod(0o755)
+        env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+        out = subprocess.run([*cluster_cells.MODES["pinned"], sys.executable, "-c",
+                              "import os; print(sorted(os.sched_getaffinity(0)))"],
+                             env=env, capture_output=True, text=True, timeout=30, check=True).stdout
+        assert out.strip() == str([(n - 1) % cores]), (n, out)
+
+
 def test_cluster_cells_training_cells():
     run = cluster_cells.parse_train("horovod-gloo:HOROVOD_CYCLE_TIME=5;A=b=c", 4, "1g")
     assert (run.framework, run.wrapper, run.hosts, run.flags) == ("torch", "horovod", 4, ("--gloo",))

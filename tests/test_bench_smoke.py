@@ -299,15 +299,20 @@ def test_bigmodel_worker(framework, wrapper, model, np, tmp_path):
         assert len(doc["weight_sums"]) == np and len(set(doc["weight_sums"])) == 1, doc
 
 
-def test_coll_worker_hierarchical(tmp_path):
-    """``--impl hier`` (only the cluster's 2-ranks-per-host cells use it): on one host, the
-    two-level allreduce is a reduce and a broadcast on that host."""
+@pytest.mark.parametrize("impl", ["hier", "mpi4py-negotiated"])
+def test_coll_worker_cluster_only_impls(tmp_path, impl):
+    """The implementations only the cluster's cells use: ``hier`` (2 ranks per host; on one host,
+    the two-level allreduce is a reduce and a broadcast on that host) and ``mpi4py-negotiated``
+    (Horovod's coordination round, then the data's allreduce).  The worker checks every sum and
+    fails on a wrong one; each rank records its host and the cores it may run on."""
     result = tmp_path / "result.json"
-    launch(util.mpirun(2, [PY, "-m", "bench.coll_worker", "--impl", "hier", "--sizes", "4096,65536",
+    launch(util.mpirun(2, [PY, "-m", "bench.coll_worker", "--impl", impl, "--sizes", "4096,65536",
                            "--warmup", "1", "--reps", "1", "--out", str(result)]), tmp_path)
     doc = json.loads(result.read_text())
     assert doc["world_size"] == 2 and [r["bytes"] for r in doc["rows"]] == [4096, 65536]
     assert all(len(r["cpu_per_rank"]) == 2 for r in doc["rows"])
+    ranks = [rank for r in doc["rows"] for rank in r["cpu_per_rank"]]
+    assert all(rank["cores"] and rank["host"].startswith("net:") for rank in ranks)
 
 
 def test_linkprobe(tmp_path):
