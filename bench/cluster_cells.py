@@ -9,10 +9,10 @@ A cell is what ``bench/cluster.py`` runs (same hosts, tc profile, launch line an
 ``bench/coll_worker.py`` arguments); the ``nice`` mode only starts every rank under ``nice -n -15``
 with its session's autogroup at the same nice, and the ``pinned`` mode pins host N's rank to core
 (N - 1) mod cores (the hosts share the cores evenly; ``--impls`` may include
-``mpi4py-ring-negotiated``, the floor of Horovod's protocol: see ``bench/coll_worker.py``).  Every rank records its wall, CPU and run-queue
-wait seconds over the timed repetitions (``coll_worker.sched_times``); the load average is read
-before each cell.  The hosts live under their own prefix (``rcc-``), so this can run beside
-``make bench-cluster``.
+``mpi4py-ring-negotiated``, the floor of Horovod's protocol: see ``bench/coll_worker.py``).
+Every rank records its wall, CPU and run-queue wait seconds over the timed repetitions
+(``coll_worker.sched_times``); the load average is read before each cell.  The hosts live under
+their own prefix (``rcc-``), so this can run beside ``make bench-cluster``.
 
 ``--train`` adds training cells (``bench/cluster.py``'s ResNet-18 step, its ``TrainRun``), run after
 each round's collectives, in the order given; each is a base with optional variables for every
