@@ -406,10 +406,15 @@ def test_cluster_part(tmp_path, netns_root):
 def test_cluster_cells(tmp_path, netns_root):
     result = tmp_path / "cells.json"
     launch([PY, "-m", "bench.cluster_cells", "--hosts", "2", "--sizes", "64K", "--impls", "mpi4py-ring",
-            "--modes", "plain,nice", "--rounds", "1", "--out", str(result)], tmp_path)
+            "--modes", "plain,nice,pinned", "--rounds", "1", "--out", str(result)], tmp_path)
     doc = json.loads(result.read_text())
-    assert [(c["mode"], c["ok"]) for c in doc["cells"]] == [("plain", True), ("nice", True)], doc["cells"]
+    modes = [(c["mode"], c["ok"]) for c in doc["cells"]]
+    assert modes == [("plain", True), ("nice", True), ("pinned", True)], doc["cells"]
     lines = {line["mode"]: line for line in doc["summary"]}
     # the nice mode really ran every rank at nice -15, the plain one at 0
     assert lines["nice"]["nice"] == [-15] and lines["plain"]["nice"] == [0]
+    # the pinned mode ran each host's rank on a core of its own, round the machine's cores
+    pinned = [rank["cores"] for rank in doc["cells"][2]["rows"][0]["cpu_per_rank"]]
+    cores = os.cpu_count() or 1
+    assert sorted(pinned) == sorted([[h % cores] for h in range(2)]), pinned
     assert (tmp_path / "tmp" / "cells").is_dir()  # its work files went next to --out
