@@ -7,8 +7,8 @@ bench runs it and with its ranks at high CPU priority, interleaved (A/B/A/B).
 
 A cell is what ``bench/cluster.py`` runs (same hosts, tc profile, launch line and
 ``bench/coll_worker.py`` arguments); the ``nice`` mode only starts every rank under ``nice -n -15``
-with its session's autogroup at the same nice, and the ``pinned`` mode pins host N's rank to core
-(N - 1) mod cores (the hosts share the cores evenly; ``--impls`` may include
+with its session's autogroup at the same nice, and the ``pinned`` mode pins host N's rank to the
+(N - 1)-th core, mod the cores it may use (the hosts share the cores evenly; ``--impls`` may include
 ``mpi4py-ring-negotiated``, the floor of Horovod's protocol: see ``bench/coll_worker.py``).
 Every rank records its wall, CPU and run-queue wait seconds over the timed repetitions
 (``coll_worker.sched_times``); the load average is read before each cell.  The hosts live under
@@ -47,8 +47,12 @@ PRIORITISE = f'echo {NICE} > /proc/self/autogroup 2>/dev/null; exec nice -n {NIC
 # of its own and the other three one core between them (per-rank CPU 0.97 against 0.24-0.32 of
 # the wall, 4 hosts on 2 cores), and any implementation's 64 KiB time then rose by 1.4-2x:
 # which implementation drew that split decided their ratio (bench/cluster_analysis.md).
-PIN = 'h=$(hostname); n=$(getconf _NPROCESSORS_ONLN); exec taskset -c $(( (${h##*h} - 1) % n )) "$@"'
-MODES = {"plain": (), "nice": ("sh", "-c", PRIORITISE, "sh"), "pinned": ("sh", "-c", PIN, "sh")}
+# The core is the (N-1)-th of those the rank may use (its affinity), so a machine whose cpuset
+# leaves some online cores out still pins.
+PIN = ("import os, socket, sys; cores = sorted(os.sched_getaffinity(0)); "
+       "n = int(socket.gethostname().rsplit('h', 1)[1]); "
+       "os.sched_setaffinity(0, {cores[(n - 1) % len(cores)]}); os.execvp(sys.argv[1], sys.argv[1:])")
+MODES = {"plain": (), "nice": ("sh", "-c", PRIORITISE, "sh"), "pinned": (util.PY, "-c", PIN)}
 UNITS = {"K": 2 ** 10, "M": 2 ** 20}
 # --train's bases: (wrapper, horovodrun flags, variables for every rank)
 TRAIN_BASES = {"ddp": ("ddp", (), ()), "horovod": ("horovod", (), ()),
