@@ -12,7 +12,7 @@ series_patches() {
 
 # series_sha256 DIR: the series' hash, what a build records and its cache key names: the SHA-256
 # of the lines `sha256sum` prints for the patches in series order ("<sha256>  <name>"), so it
-# changes with any patch's content, name or place (launch/dispatch.py computes the same).
+# changes with any patch's content, name or place (ringtrain/horovod_build.py computes the same).
 series_sha256() {
   local dir=$1 name lines=""
   while read -r name; do
@@ -25,7 +25,7 @@ series_sha256() {
 # patch_horovod SRC SERIES_DIR: apply the series to Horovod's unpacked sdist in SRC, each patch
 # exactly (no fuzz), and record in the package which series that was (horovod/_ringtrain_patch.py,
 # inside the wheel): setup checks a cached wheel against it, and the trainers refuse a Horovod
-# built from another series (launch/dispatch.py), so a stale build never runs without the fixes
+# built from another series (ringtrain/horovod_build.py), so a stale build never runs without the fixes
 # the checkout expects.  The package's version says it too: 0.28.1+ringtrain.<series hash, 10
 # hex digits> (a PEP 440 local version: pip and `horovod.__version__` agree, and `==0.28.1`
 # still matches it).

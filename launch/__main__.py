@@ -11,6 +11,7 @@ import argparse
 from launch import cli
 from launch.cli import run_cli
 from ringtrain import flags
+from ringtrain.strategies import registry
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,10 +27,9 @@ def run(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     framework = args.__dict__.pop("framework")
-    flags.validate(args)
-    from launch import dispatch
-
-    return dispatch.run(framework, args)
+    registry.validate(args)
+    registry.train(framework, args)
+    return 0
 
 
 def main(argv=None) -> None:

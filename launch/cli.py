@@ -1,7 +1,8 @@
 """What every trainer command shares: its parser, and the wrapper that turns bad input into one
 line and exit status 2.
 
-The flags themselves, and their checks, are the library's (:mod:`ringtrain.flags`).  Bad input
+The flags themselves, and their checks, are the library's (:mod:`ringtrain.flags` and each
+strategy's, put together by :mod:`ringtrain.strategies.registry`).  Bad input
 (missing data, bad flags, impossible world sizes) is the user's to fix, so it is reported as a
 single line naming the problem and the fix.  Only rank 0 prints it: every rank sees the same input
 and would otherwise repeat the same line N times.
@@ -14,8 +15,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from ringtrain import flags
 from ringtrain.errors import UserError, launcher_rank, printable
+from ringtrain.strategies import registry
 
 USAGE_EXIT_CODE = 2
 
@@ -60,8 +61,8 @@ def build_parser(framework: str | None = None) -> argparse.ArgumentParser:
         # new flag could silently change what an old abbreviation meant.
         allow_abbrev=False,
     )
-    return flags.add_trainer_args(parser)
+    return registry.add_trainer_args(parser)
 
 
 def parse(framework: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    return flags.validate(build_parser(framework).parse_args(argv))
+    return registry.validate(build_parser(framework).parse_args(argv))

@@ -34,6 +34,7 @@ from ringtrain.ray_jobs.cluster import LOCAL_OBJECT_STORE_MB, check_capacity, co
 from ringtrain.ray_jobs.jobs import run_elastic, run_fixed
 from ringtrain.ray_jobs.output import forwarded_output
 from ringtrain.ray_jobs.worker import worker_main
+from ringtrain.strategies import registry
 
 PROG = "python -m launch.ray"
 MIN_OBJECT_STORE_MB = 80  # Ray refuses less than 75 MiB
@@ -78,19 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"object store of the local Ray this command starts, in MB (default "
                         f"{LOCAL_OBJECT_STORE_MB}; the trainers do not use it); a cluster's nodes set "
                         f"theirs with ray start")
-    flags.add_trainer_args(parser)
+    registry.add_trainer_args(parser)
     return parser
 
 
 def validate(args: argparse.Namespace) -> argparse.Namespace:
-    """The trainer flags (:func:`ringtrain.flags.validate`) and the Ray flags; no Ray, no framework."""
-    flags.validate(args)
-    if args.strategy == "ps":  # its transfers are MPI's; Ray's workers run Gloo
-        raise UserError(flags.PS_NEEDS_MPI.format(what="Ray (horovod.ray, over Gloo)"))
-    if args.pipeline_stages > 1:
-        raise UserError("--pipeline-stages: Horovod on Ray runs with Gloo, which has no messages "
-                        "between two ranks (a pipeline's activations travel over MPI); run the "
-                        "pipeline with horovodrun, mpirun or srun")
+    """The trainer flags (:func:`ringtrain.strategies.registry.validate`) and the Ray flags; no
+    Ray, no framework."""
+    registry.validate(args)
+    if registry.needs_mpi(args):  # a strategy whose transfers are MPI's; Ray's workers run Gloo
+        raise UserError(registry.needs_mpi(args))
     if args.elastic:
         if args.num_workers is not None:
             raise UserError("an --elastic job sizes itself: give --min-workers (and --max-workers) "
@@ -145,9 +143,8 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
 def run_trainer(framework: str, args: argparse.Namespace) -> int:
     """What every worker runs: what ``python -m launch --framework X ARGS`` runs, but the
     process's SIGTERM stays Ray's (the actor is Ray's to stop)."""
-    from launch import dispatch
-
-    return dispatch.run(framework, args, own_signals=False)
+    registry.train(framework, args, own_signals=False)
+    return 0
 
 
 # --- the job ---------------------------------------------------------------------------------

@@ -7,9 +7,10 @@ def main(argv=None) -> int:
     from launch import cli
 
     args = cli.parse("torch", argv)  # flags are checked before the framework is imported
-    from launch import dispatch
+    from ringtrain.strategies import registry
 
-    return dispatch.run("torch", args)
+    registry.train("torch", args)
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,27 +2,31 @@
 
 A user who learns ``launch.torch_mnist`` already knows ``launch.tf_mnist``; only the framework glue
 behind the flags differs.  :func:`validate` runs before any framework is imported (a bad flag is
-one line in a second, not after TensorFlow loads); :func:`validate_world` right after
+one line in a second, not after TensorFlow loads).  Each strategy's own flags and checks are its
+package's (``ringtrain/strategies/*/options.py``), put together with these by
+:mod:`ringtrain.strategies.registry`; the checks that need the world size run right after
 ``hvd.init()``, on every rank.  The commands that parse them are in :mod:`launch.cli`.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from ringtrain import horovod_tools, model_spec
 from ringtrain.data import dataset, decoded_cache, images, mnist
 from ringtrain.errors import UserError
 from ringtrain.lr import DECAY_RULES, SCALING_RULES
-from ringtrain.pipeline.placement import check_world as check_pipeline_world
-from ringtrain.pipeline.schedule import SCHEDULES
 
 FRAMEWORKS = ("torch", "tf")
-STRATEGIES = ("ring", "ps")
 
 
-def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the trainer flags (shared by both frameworks) to ``parser``."""
+def add_trainer_args(parser: argparse.ArgumentParser,
+                     strategy_args: Callable[[argparse.ArgumentParser], None] | None = None,
+                     ) -> argparse.ArgumentParser:
+    """Add the trainer flags (shared by both frameworks and every strategy) to ``parser``, with
+    ``strategy_args`` adding the strategies' own (:mod:`ringtrain.strategies.registry`) among
+    them."""
     g = parser.add_argument_group("model")
     g.add_argument("--model", default="cnn",
                    help="cnn (default: the reference CNN), mlp (one hidden layer), or "
@@ -106,30 +110,8 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "stuck rank) before the watchdog ends the job with one line naming the rank, "
                         "instead of hanging; also arms Horovod's stall check (default 120; 0 = never)")
 
-    # --- --strategy ps (issue 39): the parameter servers' flags --------------------------------
-    g = parser.add_argument_group("strategy")
-    g.add_argument("--strategy", choices=STRATEGIES, default="ring",
-                   help="ring (default): Horovod's allreduce, synchronous SGD; ps: parameter "
-                        "servers, asynchronous SGD with bounded staleness (MPI launchers only; "
-                        "see docs/parameter-servers.md)")
-    g.add_argument("--ps-servers", type=int, default=None, metavar="P",
-                   help="with --strategy ps: ranks 0..P-1 hold the parameters and the optimizer, "
-                        "the rest compute gradients (default 1)")
-    g.add_argument("--staleness", default=None, metavar="K|inf",
-                   help="with --strategy ps: a worker may run at most K steps ahead of the "
-                        "slowest; 0 (default) is synchronous, the ring's math; inf never waits")
-    # --- model parallelism (issue #38): a pipeline of S stages x R replicas ----------------------
-    g = parser.add_argument_group("pipeline (model parallelism; docs/pipeline.md)")
-    g.add_argument("--pipeline-stages", type=int, default=1, metavar="S",
-                   help="split the model by layers into S stages on S ranks, micro-batches "
-                        "pipelined through them; the world is S x R ranks, R replicas trained "
-                        "data-parallel (default 1: every rank holds the whole model)")
-    g.add_argument("--microbatches", type=int, default=None, metavar="M",
-                   help="with --pipeline-stages: micro-batches per batch, M must divide "
-                        "--batch-size (default S)")
-    g.add_argument("--schedule", choices=SCHEDULES, default=None,
-                   help="with --pipeline-stages: gpipe (all forwards, then all backwards) or "
-                        "1f1b (one forward, one backward: fewer activations held; the default)")
+    if strategy_args is not None:  # --strategy and each strategy's flags (their own packages)
+        strategy_args(parser)
 
     g = parser.add_argument_group("output")
     g.add_argument("--checkpoint-dir", default=None,
@@ -229,10 +211,8 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         raise UserError("--resume needs --checkpoint-dir (the folder to resume from)")
     if args.tensorboard_steps and not args.tensorboard:
         raise UserError("--tensorboard-steps needs --tensorboard DIR (where to write)")
-    check_strategy(args)
     model_spec.check_spec(args.model)
     validate_performance(args, kind)
-    validate_pipeline(args)
     return args
 
 
@@ -247,119 +227,3 @@ def validate_performance(args: argparse.Namespace, data_kind: str) -> None:
         raise UserError("--decode-cache DIR and --no-decode-cache contradict each other; drop one")
     if args.decode_cache is not None and not args.decode_cache.strip():
         raise UserError("--decode-cache needs a folder, got ''")
-
-
-# --- --strategy ps (issue 39) ---------------------------------------------------------------------
-
-PS_NEEDS_MPI = ("--strategy ps moves the parameters point to point with MPI (mpi4py), which {what} "
-                "does not start: Gloo has no point-to-point API that Python can reach; run it "
-                "under horovodrun without --gloo, or mpirun")
-
-
-def staleness(args: argparse.Namespace) -> int | None:
-    """``--staleness`` as a number of steps; None for ``inf``; 0 when not given."""
-    raw = "0" if args.staleness is None else str(args.staleness).strip()
-    if raw.lower() in ("inf", "infinity"):
-        return None
-    if not raw.isdigit():
-        raise UserError(f"--staleness must be a whole number of steps >= 0 or inf, got {raw!r}")
-    return int(raw)
-
-
-def ps_servers(args: argparse.Namespace) -> int:
-    return 1 if args.ps_servers is None else args.ps_servers
-
-
-def check_strategy(args: argparse.Namespace) -> None:
-    """The parameter servers' flags, and what they cannot be combined with (each with why)."""
-    if args.strategy != "ps":
-        if args.ps_servers is not None or args.staleness is not None:
-            raise UserError("--ps-servers and --staleness set up parameter servers: add "
-                            "--strategy ps, or drop them for the ring")
-        return
-    staleness(args)
-    if ps_servers(args) < 1:
-        raise UserError(f"--ps-servers must be at least 1, got {args.ps_servers}")
-    refused = [
-        (args.elastic, "--elastic", "an elastic job re-forms the ring when workers come and go; "
-                                    "the parameter servers' ranks are fixed"),
-        (args.adasum, "--adasum", "Adasum is a way for the ring's allreduce to combine gradients; "
-                                  "the servers apply each gradient themselves"),
-        (getattr(args, "pipeline_stages", None) not in (None, 1), "--pipeline-stages",
-         "pipeline stages split the model across ranks, and the servers need every worker to "
-         "compute the whole model's gradient"),
-        (args.fp16_allreduce, "--fp16-allreduce", "it compresses the ring's allreduce, which "
-                                                  "--strategy ps does not run"),
-        (args.gradient_predivide_factor != 1.0, "--gradient-predivide-factor",
-         "it splits the ring's average, which --strategy ps does not run"),
-        (args.amp, "--amp", "the servers apply float32 gradients without loss scaling"),
-        (args.timeline_out is not None, "--timeline-out", "Horovod's timeline records its "
-                                                          "collectives, and Horovod is shut down "
-                                                          "once a parameter-server run is open"),
-        (args.autotune is not None, "--autotune", "Horovod's autotuner tunes the ring's "
-                                                  "allreduce, which --strategy ps does not run"),
-    ]
-    for given, flag, why in refused:
-        if given:
-            raise UserError(f"--strategy ps cannot run with {flag}: {why}; drop one of the two")
-
-
-def check_strategy_world(args: argparse.Namespace, world_size: int) -> None:
-    if args.strategy == "ps" and ps_servers(args) >= world_size:
-        raise UserError(f"--ps-servers {ps_servers(args)} leaves no worker among {world_size} "
-                        f"processes (ranks 0..P-1 serve, the rest compute); run at least "
-                        f"{ps_servers(args) + 1} processes, or fewer servers")
-
-
-# --- --pipeline-stages ----------------------------------------------------------------------------
-
-def validate_pipeline(args: argparse.Namespace) -> None:
-    """``--pipeline-stages``, ``--microbatches`` and ``--schedule``; fills in their defaults."""
-    stages = args.pipeline_stages
-    if stages < 1:
-        raise UserError(f"--pipeline-stages must be a positive integer, got {stages}")
-    if stages == 1:
-        for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule)):
-            if value is not None:
-                raise UserError(f"{flag} works with --pipeline-stages 2 or more; add it or drop "
-                                f"{flag}")
-        return
-    args.microbatches = stages if args.microbatches is None else args.microbatches
-    args.schedule = args.schedule or "1f1b"
-    if args.microbatches < 1:
-        raise UserError(f"--microbatches must be a positive integer, got {args.microbatches}")
-    if args.batch_size % args.microbatches:
-        raise UserError(f"--microbatches {args.microbatches} must divide --batch-size "
-                        f"{args.batch_size} (equal micro-batches); change one of them")
-    if args.elastic:
-        raise UserError("--elastic with --pipeline-stages: an elastic job re-forms its world as "
-                        "workers come and go, and a pipeline needs every stage of a replica at "
-                        "once (one lost rank stops its whole replica); drop one of the two flags")
-    if args.adasum:
-        raise UserError("--adasum with --pipeline-stages: each stage's gradients are combined "
-                        "within its own process set, and Horovod 0.28.1's Adasum works on the "
-                        "whole world only; drop --adasum")
-    if args.amp:
-        raise UserError("--amp with --pipeline-stages is not supported yet; drop one of the two "
-                        "flags")
-    # Horovod 0.28.1 scores the autotuner's samples on the global process set only (operations.cc:
-    # "process_set_id == 0"), and its timeline is written by rank 0, which negotiates only the
-    # sets it belongs to: a pipeline allreduces each stage's gradients in the stage's own set.
-    if args.autotune is not None:
-        raise UserError("--autotune with --pipeline-stages: Horovod's autotuner scores only "
-                        "allreduces over every rank, and a pipeline allreduces each stage's "
-                        "gradients within the stage's ranks; drop one of the two flags")
-    if args.timeline_out is not None:
-        raise UserError("--timeline-out with --pipeline-stages: rank 0 writes Horovod's timeline "
-                        "and sees only its own stage's allreduces (the other stages' would be "
-                        "missing); drop one of the two flags")
-
-
-def validate_world(args: argparse.Namespace, world_size: int) -> None:
-    """Checks that need the world size, run right after ``hvd.init()`` on every rank (the data's
-    own: :func:`ringtrain.data.dataset.check_world`, once it is open)."""
-    check_strategy_world(args, world_size)
-    check_pipeline_world(getattr(args, "pipeline_stages", 1), world_size)
-    if args.adasum and world_size & (world_size - 1):
-        raise UserError(f"--adasum needs a power-of-two number of processes, not {world_size}; run "
-                        f"2, 4, 8... processes or drop --adasum")

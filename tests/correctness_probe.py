@@ -3,7 +3,7 @@
 Starting ``horovodrun`` and importing TensorFlow or PyTorch costs far more than the few training
 steps each invariant needs, so the correctness suite groups its runs by (framework, world size,
 launcher) and this script runs a group's runs one after another in the same processes.  Each run
-is the real trainer's ``train(args)``, parsed from the same flags users type, with its own
+is the real trainer's way in, ``registry.train(framework, args)``, parsed from the same flags users type, with its own
 checkpoint folder and metrics file.
 
     horovodrun -np 2 python tests/correctness_probe.py torch plan.json
@@ -26,22 +26,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from launch import cli  # noqa: E402
-from launch.dispatch import import_trainer  # noqa: E402
 from ringtrain.errors import launcher_rank  # noqa: E402
+from ringtrain.strategies import registry  # noqa: E402
 
 
 def main(framework: str, plan_path: str) -> int:
     for run in json.loads(Path(plan_path).read_text()):
         args = cli.parse(framework, run["args"])
-        trainer = import_trainer(framework, strategy=args.strategy,
-                                 pipeline=args.pipeline_stages > 1)
         if run.get("seed_from") and launcher_rank() == 0:
             newest = sorted(Path(run["seed_from"]).glob("ckpt-epoch*.*"))[-1].name[:len("ckpt-epoch0000")]
             dest = Path(args.checkpoint_dir)
             dest.mkdir(parents=True, exist_ok=True)
             for path in Path(run["seed_from"]).glob(f"{newest}*"):
                 shutil.copy(path, dest / path.name)
-        trainer.train(args)
+        registry.train(framework, args, own_signals=False)
     return 0
 
 

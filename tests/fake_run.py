@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ringtrain import flags
 from ringtrain.data.dataset import DataInfo
+from ringtrain.strategies import registry
 from ringtrain.training.run import FrameworkRun, RunIdentity, StepTag
 from ringtrain.training.world import Collectives, World
 
@@ -105,7 +105,7 @@ def args(**overrides: Any) -> argparse.Namespace:
     ns = build_parser("torch").parse_args(["--no-progress"])
     for key, value in overrides.items():
         setattr(ns, key, value)
-    return flags.validate(ns)
+    return registry.validate(ns)
 
 
 class Problem:

@@ -1,5 +1,5 @@
 """Run by tests/test_faults.py under ``mpirun --enable-recovery -np 2``: rank 0 has "lost" rank 1
-(:func:`ringtrain.training.ps_mpi.bound_finalize_after_losing`, with a grace of argv[1] s) and
+(:func:`ringtrain.strategies.ps.transport.bound_finalize_after_losing`, with a grace of argv[1] s) and
 exits; rank 1 never calls MPI_Finalize and leaves only once rank 0's process is gone.  Rank 0's
 MPI_Finalize would wait for rank 1 for ever (the fence at its end), so the job ends only if that
 wait is bounded."""
@@ -10,7 +10,7 @@ import time
 
 from mpi4py import MPI
 
-from ringtrain.training import ps_mpi
+from ringtrain.strategies.ps import transport as ps_mpi
 
 grace = float(sys.argv[1])
 comm = MPI.COMM_WORLD

@@ -143,13 +143,13 @@ def test_parameter_servers_refuse_pipeline_stages():
     import argparse
 
     from launch.cli import build_parser
-    from ringtrain import flags
     from ringtrain.errors import UserError
+    from ringtrain.strategies.ps import options
 
     args = build_parser("torch").parse_args(["--strategy", "ps"])
     with pytest.raises(UserError, match="cannot run with --pipeline-stages: pipeline stages split"):
-        flags.check_strategy(argparse.Namespace(**{**vars(args), "pipeline_stages": 2}))
-    flags.check_strategy(argparse.Namespace(**{**vars(args), "pipeline_stages": 1}))
+        options.validate(argparse.Namespace(**{**vars(args), "pipeline_stages": 2}))
+    options.validate(argparse.Namespace(**{**vars(args), "pipeline_stages": 1}))
 
 
 @requires_horovod

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, one_error_line, requires_horovod, run
 
-from launch.dispatch import ANY_HOROVOD, horovod_build_problem, series_sha256
+from ringtrain.horovod_build import ANY_HOROVOD, horovod_build_problem, series_sha256
 
 SERIES = REPO / ".ci" / "horovod-patches"
 
@@ -101,7 +101,7 @@ def test_a_checkout_with_another_series_refuses_the_installed_horovod(tmp_path):
     """The same code beside a changed patch series (a pull without 'make setup'): one line, exit 2,
     before any framework loads."""
     copy = tmp_path / "checkout"
-    for package in ("launch", "torch_models", "tf_models"):
+    for package in ("launch", "ringtrain", "torch_models", "tf_models"):
         shutil.copytree(REPO / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(SERIES, copy / ".ci" / SERIES.name)
     last = (copy / ".ci" / SERIES.name / "series").read_text().split()[-1]

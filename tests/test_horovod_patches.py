@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from launch.dispatch import series_sha256
+from ringtrain.horovod_build import series_sha256
 
 SERIES = REPO / ".ci" / "horovod-patches"
 VERSION = "0.28.1"

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from launch.dispatch import CHECKOUT_SERIES, series_sha256
+from ringtrain.horovod_build import CHECKOUT_SERIES, series_sha256
 
 EXAMPLES = REPO.parent / "shared" / "horovod-0.28.1" / "examples"
 RUN = ("pytorch/pytorch_mnist.py", "tensorflow2/tensorflow2_keras_mnist.py")

@@ -20,7 +20,7 @@ from fake_run import Bus, FakeRun, Problem, args, fake_world, run_ranks
 from ringtrain.errors import UserError
 from ringtrain.lr import lr_at, scaled_lr
 from ringtrain.training import elastic, startup
-from ringtrain.training.fixed import FixedRun
+from ringtrain.training.fixed_loop import FixedLoop
 
 DETERMINISTIC = dict(momentum=0.0, no_shuffle=True, warmup_epochs=0.0, lr_decay="none",
                      lr_scaling="none", base_lr=0.1)
@@ -33,7 +33,7 @@ def fixed_job(size: int, problem: Problem, **flags):
 
     def rank(r: int):
         run = FakeRun(a, bus, r, problem)
-        return FixedRun(a, run, start_epoch=flags.get("start_epoch", 0)).train(), run
+        return FixedLoop(a, run, start_epoch=flags.get("start_epoch", 0)).train(), run
 
     return [(summary, run, bus) for summary, run in run_ranks(size, rank)]
 
@@ -108,7 +108,7 @@ def test_a_diverged_step_ends_every_rank_at_that_step_naming_the_rank():
         run = FakeRun(a, bus, r, problem, poison_at=(1, 11))  # rank 1, epoch 2, step 3
         runs.append(run)
         try:
-            FixedRun(a, run, start_epoch=0).train()
+            FixedLoop(a, run, start_epoch=0).train()
         except UserError as err:
             return str(err), run.saved
         return None, run.saved
@@ -128,7 +128,7 @@ def test_a_diverged_step_without_a_data_problem_names_the_loss():
 
     def rank(r: int):
         with pytest.raises(UserError) as err:
-            FixedRun(a, FakeRun(a, bus, r, problem), start_epoch=0).train()
+            FixedLoop(a, FakeRun(a, bus, r, problem), start_epoch=0).train()
         return str(err.value)
 
     lines = set(run_ranks(2, rank))

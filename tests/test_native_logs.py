@@ -8,7 +8,7 @@ import sys
 
 from conftest import REPO
 
-from launch.native_logs import filter_lines, min_level, severity
+from ringtrain.native_logs import filter_lines, min_level, severity
 
 ABSL_INFO = b"I0000 00:00:1795447680.872803    9914 port.cc:153] oneDNN custom operations are on.\n"
 ABSL_ERROR = b"E0000 00:00:1758131045.203198 3722035 cuda_dnn.cc:8579] Unable to register cuDNN factory\n"
@@ -50,7 +50,7 @@ def test_min_level_reads_like_tensorflow():
 
 DRIVER = r"""
 import os, sys
-from launch.native_logs import quiet_native_logs
+from ringtrain.native_logs import quiet_native_logs
 with quiet_native_logs(2):
     for i in range(2000):  # more than one pipe buffer, records split across reads
         os.write(2, b"I0000 00:00:1.1    1 port.cc:153] noise %d\n" % i)

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from ringtrain.errors import UserError
-from ringtrain.pipeline.engine import Boundary, EvalRelay, run_step
-from ringtrain.pipeline.partition import balanced_split
-from ringtrain.pipeline.placement import Placement, check_world
-from ringtrain.pipeline.run import micro_rows
-from ringtrain.pipeline.schedule import (
+from ringtrain.strategies.pipeline.engine import Boundary, EvalRelay, run_step
+from ringtrain.strategies.pipeline.partition import balanced_split
+from ringtrain.strategies.pipeline.placement import Placement, check_world
+from ringtrain.strategies.pipeline.run import micro_rows
+from ringtrain.strategies.pipeline.schedule import (
     BACKWARD,
     FORWARD,
     bubble_formula,
@@ -163,7 +163,7 @@ class Wire:
 
 
 class FakeLink:
-    """:class:`ringtrain.pipeline.transport.Link`'s point-to-point half over a :class:`Wire`; it
+    """:class:`ringtrain.strategies.pipeline.transport.Link`'s point-to-point half over a :class:`Wire`; it
     records the most receives posted and not yet taken."""
 
     def __init__(self, wire: Wire, rank: int) -> None:
@@ -225,7 +225,7 @@ def softmax_grad(logits, y, total_rows):
 
 
 class NumpyStage:
-    """A stage of the MLP as :class:`ringtrain.pipeline.engine.StageWork`."""
+    """A stage of the MLP as :class:`ringtrain.strategies.pipeline.engine.StageWork`."""
 
     def __init__(self, layers, first, last, x, y, rows):
         self.layers, self.first, self.last = layers, first, last
@@ -328,7 +328,7 @@ def resume_on_ranks(newest: dict[int, int], resume: bool = True):
     intact files up to epoch ``newest[s]`` (0: none).  Returns each rank's epoch and its loads."""
     from fake_run import Bus, args, fake_world, run_ranks
 
-    from ringtrain.pipeline.run import resume_epoch
+    from ringtrain.strategies.pipeline.run import resume_epoch
 
     bus = Bus(4)
 

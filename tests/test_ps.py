@@ -1,4 +1,4 @@
-"""The parameter servers' engine (``ringtrain/training/ps.py``) on a fake transport: servers and
+"""The parameter servers' engine (``ringtrain/strategies/ps/engine.py``) on a fake transport: servers and
 workers as threads of one process exchanging numpy arrays through in-process queues, a model in
 NumPy.  No MPI, no framework: the whole file runs in seconds.
 
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from fake_run import Problem, loss_and_grad
 
-from ringtrain.training import ps
+from ringtrain.strategies.ps import engine as ps
 
 TIMEOUT = 30.0
 
@@ -49,7 +49,7 @@ class Net:
 
 
 class FakeLink:
-    """:class:`ringtrain.training.ps.Link` in one process: a send copies its buffer into the
+    """:class:`ringtrain.strategies.ps.engine.Link` in one process: a send copies its buffer into the
     destination's queue; a receive takes the oldest message of its (source, tag) when waited on."""
 
     def __init__(self, net: Net, rank: int) -> None:

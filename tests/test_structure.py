@@ -24,9 +24,10 @@ def module_name(path) -> str:
 def first_party_imports(dynamic: bool = True) -> dict[str, set[str]]:
     """module -> the first-party modules it imports (``from pkg import mod`` names ``pkg.mod``).
 
-    With ``dynamic``, a string literal that names a first-party module counts as an import too:
-    that is how the dispatcher reaches the trainers (``importlib.import_module(TRAINERS[...])``)
-    and the dataset registry its datasets, and how a runtime cycle would hide from the others.
+    With ``dynamic``, a string literal that names a first-party module (or ``module:attribute``)
+    counts as an import too: that is how the strategy registry reaches the run objects
+    (``"torch_models.run:TorchRun"``) and the dataset registry its datasets, and how a runtime
+    cycle would hide from the others.
     """
     files = {module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
     graph: dict[str, set[str]] = {}
@@ -38,8 +39,9 @@ def first_party_imports(dynamic: bool = True) -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom) and node.module:
                 targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files
                            else node.module for a in node.names]
-            elif dynamic and isinstance(node, ast.Constant) and node.value in files:
-                targets = [node.value]
+            elif (dynamic and isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and node.value.split(":")[0] in files):
+                targets = [node.value.split(":")[0]]
             else:
                 continue
             deps.update(t for t in targets if t.split(".")[0] in PACKAGES and t != name)
@@ -83,34 +85,39 @@ def test_the_cycle_finder_finds_cycles():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+REGISTRY = "ringtrain.strategies.registry"
+
+
 def test_no_import_cycles():
     graph = first_party_imports()
-    assert {"launch.dispatch", "torch_models.train", "torch_models.elastic", "tf_models.train",
-            "tf_models.elastic", "ringtrain.training.fixed"} <= set(graph)
-    assert {"torch_models.train", "tf_models.elastic"} <= graph["launch.dispatch"], \
-        "the dispatcher's dynamic imports are not seen"
+    assert {REGISTRY, "torch_models.run", "torch_models.elastic", "tf_models.run",
+            "tf_models.elastic", "ringtrain.training.fixed_loop"} <= set(graph)
+    assert {"torch_models.run", "torch_models.pipeline", "tf_models.ps",
+            "tf_models.elastic"} <= graph[REGISTRY], "the registry's dynamic imports are not seen"
     assert cycles(graph) == []
 
 
-def test_the_cycle_check_sees_a_cycle_through_the_dispatcher():
-    """What the layout removed: the library calling the dispatcher, which imports the trainers by
-    name, which import the library."""
+def test_the_cycle_check_sees_a_cycle_through_the_registry():
+    """What the layout rules out: a library module below the registry calling it (the registry
+    names the run objects, which import the library)."""
     graph = first_party_imports()
-    graph["ringtrain.training.fixed"] = graph["ringtrain.training.fixed"] | {"launch.dispatch"}
-    assert any("launch.dispatch" in c and "ringtrain.training.fixed" in c for c in cycles(graph))
+    graph["ringtrain.training.startup"] = graph["ringtrain.training.startup"] | {REGISTRY}
+    assert any(REGISTRY in c and "ringtrain.training.startup" in c for c in cycles(graph))
 
 
 def test_layers():
-    """``ringtrain`` is the library and imports no command or trainer; ``launch`` (the commands)
-    imports the library and reaches the trainers only by name (launch/dispatch.py); each
-    framework's package uses the library and leaves the commands and the other framework alone:
-    one framework's Horovod per process."""
+    """``ringtrain`` is the library and imports no command; it names the framework packages' run
+    objects in one place only, the strategy registry, by name (one framework's Horovod per
+    process); ``launch`` (the commands) imports the library; each framework's package uses the
+    library and leaves the commands and the other framework alone."""
     static = first_party_imports(dynamic=False)
     for module, deps in first_party_imports().items():
         top = module.split(".")[0]
         tops = {d.split(".")[0] for d in deps}
         if top == "ringtrain":
-            assert tops <= {"ringtrain"}, (module, deps)
+            assert {d.split(".")[0] for d in static[module]} <= {"ringtrain"}, (module, deps)
+            allowed = {"ringtrain", "torch_models", "tf_models"} if module == REGISTRY else {"ringtrain"}
+            assert tops <= allowed, (module, deps)
         elif top == "launch":
             assert {d.split(".")[0] for d in static[module]} <= {"launch", "ringtrain"}, (module, deps)
         else:
@@ -120,15 +127,15 @@ def test_layers():
 def test_command_line_checks_import_no_framework():
     """Flags, --model syntax included, are checked before any framework is imported."""
     code = ("import sys, launch.__main__, launch.torch_mnist, launch.tf_mnist, launch.cli, "
-            "ringtrain.flags, ringtrain.training.fixed, ringtrain.training.elastic; "
+            "ringtrain.flags, ringtrain.training.fixed_loop, ringtrain.training.elastic, "
+            "ringtrain.strategies.registry, launch.ray; "
             "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'horovod') if m in sys.modules))")
     proc = run([sys.executable, "-c", code])
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
-TRAINERS = ("torch_models/run.py", "torch_models/train.py", "torch_models/elastic.py",
-            "tf_models/run.py", "tf_models/train.py", "tf_models/elastic.py",
-            "torch_models/pipeline.py", "tf_models/pipeline.py")
+TRAINERS = tuple(f"{fw}_models/{name}.py" for fw in ("torch", "tf")
+                 for name in ("startup", "run", "elastic", "pipeline", "ps"))
 
 
 def horovod_names(tree: ast.Module) -> set[str]:
@@ -202,23 +209,60 @@ def test_the_mark_check_sees_an_unmarked_call():
     assert [marked(code.splitlines(), line) for line, _ in calls] == [True, False]
 
 
+def marks(path: str) -> dict[str, int]:
+    """The first line (0-based) of each ``# Horovod: <step>`` comment in ``path``."""
+    found = {}
+    for number, line in enumerate((REPO / path).read_text().splitlines()):
+        m = re.search(r"# Horovod: (\w+)", line)
+        if m:
+            found.setdefault(m.group(1), number)
+    return found
+
+
 @pytest.mark.parametrize("run_file", ["torch_models/run.py", "tf_models/run.py",
                                       "torch_models/pipeline.py", "tf_models/pipeline.py"])
 def test_the_horovod_steps_are_marked_within_one_screen(run_file):
-    """Horovod's recipe, as its own examples show it: initialise, pin, scale the LR, wrap the
-    optimizer, broadcast, together in the run object; the shard is the shared loops'."""
-    def marks(path):
-        found = {}
-        for number, line in enumerate((REPO / path).read_text().splitlines()):
-            m = re.search(r"# Horovod: (\w+)", line)
-            if m:
-                found.setdefault(m.group(1), number)
-        return found
-
-    steps = ("initialise", "pin", "scale", "wrap", "broadcast")
+    """Horovod's recipe, as its own examples show it: initialise and pin in the framework's one
+    start-up (``startup.py``, which every strategy calls), then scale the LR, wrap the optimizer
+    and broadcast together in the strategy's run object; the shard is the shared loops'."""
+    start = marks(f"{run_file.split('/')[0]}/startup.py")
+    assert {"initialise", "pin"} <= set(start), start
+    assert abs(start["pin"] - start["initialise"]) <= 10, start
+    steps = ("scale", "wrap", "broadcast")
     found = marks(run_file)
     assert set(steps) <= set(found), found
     span = max(found[s] for s in steps) - min(found[s] for s in steps)
     assert span <= 60, f"the Horovod lines of {run_file} span {span} lines"
-    for loop in ("ringtrain/training/fixed.py", "ringtrain/training/elastic.py"):
+    for loop in ("ringtrain/training/fixed_loop.py", "ringtrain/training/elastic.py"):
         assert "shard" in marks(loop), loop
+
+
+def horovod_init_calls() -> list[tuple[str, int]]:
+    """(file, line) of every ``hvd.init(...)`` call in the packages (Horovod's module bound to any
+    name), comments and strings aside."""
+    found = []
+    for pkg in PACKAGES:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            names = horovod_names(tree)
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "init" and isinstance(node.func.value, ast.Name)
+                        and node.func.value.id in names):
+                    found.append((str(path.relative_to(REPO)), node.lineno))
+    return found
+
+
+def test_horovod_is_initialised_in_one_start_up_per_framework():
+    """Every strategy composes its framework's start-up: ``hvd.init`` is called in
+    ``torch_models/startup.py`` and ``tf_models/startup.py`` only, once each (the TF elastic
+    job's re-join goes through the same call)."""
+    calls = horovod_init_calls()
+    assert sorted(f for f, _ in calls) == ["tf_models/startup.py", "torch_models/startup.py"], calls
+
+
+def test_the_option_parser_imports_no_strategy():
+    """The shared flags (``ringtrain.flags``) know no strategy: each strategy's flags are its
+    package's, put together by the registry."""
+    deps = first_party_imports()["ringtrain.flags"]
+    assert not {d for d in deps if d.startswith("ringtrain.strategies")}, deps

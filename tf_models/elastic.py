@@ -20,6 +20,7 @@ from horovod.common.elastic import run_fn
 from ringtrain.output.summary import Summary
 from ringtrain.training import elastic
 from ringtrain.training.world import state_broadcast
+from tf_models import startup
 from tf_models.collectives import COLLECTIVES
 from tf_models.horovod_keras import ElasticKerasState, peer_failures_roll_back
 from tf_models.run import KerasRun
@@ -40,11 +41,6 @@ def train(args: argparse.Namespace) -> Summary:
     # Horovod: run the loop elastically: re-run it in every re-formed world, from the last commit.
     # Not ``hvd.elastic.run``: Horovod's TF wrapper swallows op errors it does not recognise (see
     # peer_failures_roll_back); run_fn is the loop it wraps, minus that.
-    return run_fn(train_world, reset)(state)
-
-
-def reset() -> None:
-    """Re-join the job after a membership change: the driver hands out new ranks at init."""
-    # Horovod: shut down and initialise again: the driver hands out the new world's ranks.
-    hvd.shutdown()
-    hvd.init()
+    # Horovod: after a membership change, re-join: shut down and initialise again (the start-up's
+    # own hvd.init), the driver handing out the new world's ranks.
+    return run_fn(train_world, startup.rejoin)(state)

@@ -6,23 +6,23 @@ import time
 
 import keras
 
-from ringtrain.training.fixed import FixedRun
+from ringtrain.training.fixed_loop import FixedLoop
 
 
-class FixedRunCallback(keras.callbacks.Callback):
-    """``model.fit``'s hooks, on every rank, handed to the :class:`~ringtrain.training.fixed.FixedRun`
+class FixedLoopCallback(keras.callbacks.Callback):
+    """``model.fit``'s hooks, on every rank, handed to the :class:`~ringtrain.training.fixed_loop.FixedLoop`
     once per optimizer step, i.e. every K-th of fit's micro-batch steps.
 
-    Before each optimizer step the optimizer gets the step's LR from :meth:`FixedRun.before_step`,
+    Before each optimizer step the optimizer gets the step's LR from :meth:`FixedLoop.before_step`,
     the LR rule the PyTorch trainer and both elastic loops use (a float32 variable, assigned
     ``float32(lr_at(...))``; only the K-th micro-batch step applies it).  After it, the step's
     mean loss on this rank (from the run's float64 :func:`~tf_models.horovod_keras.loss_sums`
-    metric) goes to :meth:`FixedRun.after_step`, which checks the weights and reports the step;
-    at the epoch's end, this rank's (loss sum, images) go to :meth:`FixedRun.end_epoch`.  The
+    metric) goes to :meth:`FixedLoop.after_step`, which checks the weights and reports the step;
+    at the epoch's end, this rank's (loss sum, images) go to :meth:`FixedLoop.end_epoch`.  The
     callback reads fit's state and hands it on; it changes nothing of the run's but the LR.
     """
 
-    def __init__(self, fixed: FixedRun, sums: keras.metrics.Metric) -> None:
+    def __init__(self, fixed: FixedLoop, sums: keras.metrics.Metric) -> None:
         super().__init__()
         self.fixed, self.sums, self.k = fixed, sums, fixed.args.backward_passes_per_step
         self.shards = fixed.run.shard_size

@@ -1,6 +1,6 @@
 """What Horovod's Keras API (as patched by ``.ci/horovod-patches/``) still lacks for ringtrain.
 
-The fixed-size trainer (:mod:`tf_models.train`) uses Horovod's own ``hvd.DistributedOptimizer``,
+The fixed-size trainer (:class:`tf_models.run.KerasRun`) uses Horovod's own ``hvd.DistributedOptimizer``,
 ``BroadcastGlobalVariablesCallback`` and ``model.fit``.  What remains here:
 
 * :func:`loss_sums` and :func:`allreduce_sums`: exact global means, from float64 (sum, count)

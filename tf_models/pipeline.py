@@ -24,16 +24,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from ringtrain.data import dataset as datasets
-from ringtrain.output.summary import Summary
-from ringtrain.pipeline import run as pipeline
-from ringtrain.pipeline.transport import Link
-from ringtrain.training import startup
-from ringtrain.training.fixed import FixedRun
+from ringtrain.strategies.pipeline import options as pipeline_options
+from ringtrain.strategies.pipeline import run as pipeline
+from ringtrain.strategies.pipeline.transport import Link
+from ringtrain.training import startup as startup_checks
 from ringtrain.training.run import RunIdentity
-from tf_models import checkpoints, devices, stages
-from tf_models.collectives import COLLECTIVES, VERSIONS, average_statistics
-from tf_models.data import open_data
+from tf_models import checkpoints, stages, startup
+from tf_models.collectives import VERSIONS, average_statistics
 from tf_models.evaluation import make_weights_finite, parameters
 from tf_models.horovod_keras import allreduce_gradients, sparse_logits_loss
 
@@ -46,27 +43,24 @@ class KerasPipelineRun(pipeline.PipelineRun):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         sets = pipeline.before_init(args, hvd)  # MPI up (mpi4py), S divides the world
-        # Horovod: initialise, with one process set per stage: its replicas' gradient allreduce.
-        hvd.init(process_sets=sets)
+        # Horovod: initialise with one process set per stage (its replicas' gradient allreduce),
+        # pin, open the data (read by the R replicas): the start-up every Keras run shares.
+        rank = startup.open_rank(args, check_world=pipeline_options.check_world, process_sets=sets,
+                                 data_width=lambda world: world.size // args.pipeline_stages)
+        self.world, self.data = rank.world, rank.data
         self.locate(hvd, sets)
-        # Horovod: pin this rank to its share of the host's cores and to GPU local_rank (if any).
-        use_gpu = devices.configure(hvd.local_rank(), hvd.local_size())
-        self.world = startup.begin(args, hvd, COLLECTIVES, use_gpu=use_gpu)
         self.link = Link.open(self.world.rank, args.stall_timeout)
         self.open_pipeline(args)
-        # Horovod: this host's rank count sizes the data's decoding threads (--data).
-        self.data = open_data(args, self.world, hvd.local_size())
-        datasets.check_world(args, self.data.info, self.place.replicas)
         # Seeded per replica: replica 0's stages together are the model one process builds with
         # --seed; other replicas draw other weights on purpose, the broadcast makes them agree.
         keras.utils.set_random_seed(args.seed + self.place.replica)
-        split = startup.every_rank(self.world, lambda: stages.build_split(
+        split = startup_checks.every_rank(self.world, lambda: stages.build_split(
             args.model, self.data.info, args.dropout, self.place.stages))
         self.stage = split.models[self.keep(split.stages, split.cuts)]
         del split.models  # the other stages' layers go
         self.identity = RunIdentity.of(args, "tf", VERSIONS, self.data.info, split.param_count,
                                        strategy="pipeline")
-        startup.check_output_folders(self.world, args, self.identity.param_count)
+        startup_checks.check_output_folders(self.world, args, self.identity.param_count)
 
         # Horovod: scale the learning rate with the replicas (R, the data-parallel width).
         self.optimizer = keras.optimizers.SGD(learning_rate=self.target_lr, momentum=args.momentum)
@@ -212,7 +206,3 @@ class Traced:
 
         self.forward, self.loss_backward = forward, loss_backward
 
-
-def train(args: argparse.Namespace) -> Summary:
-    run = KerasPipelineRun(args)
-    return FixedRun(args, run, start_epoch=run.start_epoch).train()

@@ -1,12 +1,13 @@
 """``--strategy ps`` on TensorFlow/Keras 3: the framework's half of a parameter-server run.
 
-The twin of :mod:`torch_models.ps`: :class:`KerasPSRun` is :class:`~tf_models.run.KerasRun`'s
-preamble without the ring's recipe (no ``DistributedOptimizer``, no ``model.fit``); server 0
+The twin of :mod:`torch_models.ps`: :class:`KerasPSRun` opens as every Keras run does
+(:func:`tf_models.startup.open_rank`, :meth:`~tf_models.run.KerasModelRun.open_model`), without
+the ring's recipe (no ``DistributedOptimizer``, no ``model.fit``); server 0
 (rank 0) keeps a plain ``keras.optimizers.SGD`` only to write and read checkpoints in the ring's
 format.  A step's gradient is one traced function (:func:`make_gradient`): K micro-batches under
 ``tf.GradientTape``, each loss weighted 1/K, as the ring's ``fit`` computes it before the
 allreduce.  Keras keeps momentum as ``m = mu m - lr g; w += m`` (the ``keras`` rule of
-:class:`ringtrain.training.ps.SliceSGD`): its momentum slots hold the servers' velocity as is.
+:class:`ringtrain.strategies.ps.engine.SliceSGD`): its momentum slots hold the servers' velocity as is.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ import numpy as np
 import tensorflow as tf
 
 from ringtrain.errors import UserError
-from ringtrain.output.summary import Summary
+from ringtrain.strategies.ps import options as ps_options
+from ringtrain.strategies.ps.run import ParameterServerRun
 from ringtrain.training import startup
-from ringtrain.training.fixed import FixedRun
-from ringtrain.training.ps_run import ParameterServerRun
 from tf_models.horovod_keras import sparse_logits_loss
-from tf_models.run import KerasRun
+from tf_models.run import KerasModelRun
 
 
 def make_gradient(net: keras.Model, k: int, micro: int):
@@ -50,17 +50,20 @@ def make_gradient(net: keras.Model, k: int, micro: int):
     return gradient
 
 
-class KerasPSRun(ParameterServerRun, KerasRun):
+class KerasPSRun(ParameterServerRun, KerasModelRun):
+    """The parameter servers' framework-free half (:class:`ParameterServerRun`) with a Keras rank
+    that holds the whole model (:class:`~tf_models.run.KerasModelRun`)."""
+
     momentum_rule = "keras"
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.open_run(args, hvd)
+        self.open_run(hvd, lambda: self.open_model(args, check_world=ps_options.check_world),
+                      self.open_optimizer)
         self.gradient = make_gradient(self.net, args.backward_passes_per_step, args.batch_size)
 
-    def open_optimizer(self, elastic: bool) -> None:
+    def open_optimizer(self) -> None:
         """Server 0's optimizer, for checkpoints only (the servers update their slices), and the
         resume on rank 0; no wrapping, no broadcast, no compile."""
-        self.role_ranks(self.world)
         self.trained = list(self.net.trainable_variables)
         odd = sorted({str(v.dtype) for v in self.trained} - {"float32"})
         if odd:
@@ -126,7 +129,3 @@ class KerasPSRun(ParameterServerRun, KerasRun):
             w.assign(flat[start:start + n].reshape(w.shape).astype(w.dtype))
             start += n
 
-
-def train(args: argparse.Namespace) -> Summary:
-    run = KerasPSRun(args)
-    return FixedRun(args, run, start_epoch=run.start_epoch).train()

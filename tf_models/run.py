@@ -6,7 +6,7 @@
 ``hvd.DistributedOptimizer`` averages the gradients, ``BroadcastGlobalVariablesCallback`` hands
 rank 0's weights and optimizer state to every rank when training begins, and ``model.fit`` runs
 the steps (:meth:`KerasRun.fit`), reporting each optimizer step and epoch to the shared
-:class:`~ringtrain.training.fixed.FixedRun` through :class:`~tf_models.fit_callback.FixedRunCallback`.
+:class:`~ringtrain.training.fixed_loop.FixedLoop` through :class:`~tf_models.fit_callback.FixedLoopCallback`.
 With ``--backward-passes-per-step K`` fit runs K micro-batch steps of B rows per optimizer step
 (each loss weighted 1/K; the wrapper sums their gradients locally and allreduces on the K-th).
 Train loss comes from :func:`~tf_models.horovod_keras.loss_sums` (float64 sums allreduced at the
@@ -29,134 +29,50 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from ringtrain.data import dataset as datasets
-from ringtrain.horovod_tools import HorovodTools
 from ringtrain.optimizer_options import distributed_optimizer_options
 from ringtrain.output.progress import Loss
-from ringtrain.runtime import before_init
-from ringtrain.training import startup
-from ringtrain.training.fixed import FixedRun
+from ringtrain.strategies.ring import options as ring_options
+from ringtrain.training import startup as startup_checks
+from ringtrain.training.fixed_loop import FixedLoop
 from ringtrain.training.run import FrameworkRun, RunIdentity, StepTag
 from ringtrain.training.world import World
-from tf_models import checkpoints, devices
+from tf_models import checkpoints, startup
 from tf_models.collectives import COLLECTIVES, VERSIONS, average_statistics
-from tf_models.data import open_data
 from tf_models.evaluation import WeightsTotal, make_batch_sums, make_weights_finite, parameters
-from tf_models.fit_callback import FixedRunCallback
+from tf_models.fit_callback import FixedLoopCallback
 from tf_models.horovod_keras import DistributedModel, SparseLogitsLoss, loss_sums
 from tf_models.model import build
 
 
-class KerasRun(FrameworkRun):
-    """One rank's Keras run.  ``elastic``: a worker of an elastic job, which issues no collective
-    while it opens (its data opened alone, rank 0 alone checks the folders and restores), trains
-    through :class:`DistributedModel` and gets rank 0's state from Horovod's elastic state."""
+class KerasModelRun(FrameworkRun):
+    """A Keras rank that holds the whole model: what the ring (:class:`KerasRun`) and the
+    parameter servers (:class:`tf_models.ps.KerasPSRun`) share once the run is open: the batches,
+    the loss sums, the finiteness check, BatchNorm's statistics, evaluation, checkpoints, the
+    checksums.  The strategy's constructor calls :meth:`open_model`, then adds its optimizer."""
 
-    def __init__(self, args: argparse.Namespace, *, elastic: bool = False) -> None:
+    optimizer: keras.optimizers.Optimizer | None = None
+
+    def open_model(self, args: argparse.Namespace, *, check_world, elastic: bool = False) -> None:
+        """The framework's start-up (:func:`tf_models.startup.open_rank`), then the model, seeded
+        per rank, the run's identity and the output folders' check (an elastic worker issues no
+        collective while it opens: rank 0 alone checks the folders)."""
         self.args, self.elastic = args, elastic
-        before_init(args.stall_timeout)
-        self.tools = HorovodTools.before_init(args)  # --timeline-out, --autotune: the environment
-        # Horovod: initialise; from here on every rank knows its rank and the world size.
-        hvd.init()
-        # Horovod: pin this rank to its share of the host's cores and to GPU local_rank (if any).
-        use_gpu = devices.configure(hvd.local_rank(), hvd.local_size())
-        self.world = startup.begin(args, hvd, COLLECTIVES, use_gpu=use_gpu, elastic=elastic)
-        together = None if elastic else self.world  # who opens together, with collectives
-        # Horovod: this host's rank count sizes the data's decoding threads (--data).
-        self.data = open_data(args, together, hvd.local_size())
-        if not elastic:
-            datasets.check_world(args, self.data.info, self.world.size)
+        rank = startup.open_rank(args, check_world=check_world, elastic=elastic)
+        self.world, self.data, self.tools = rank.world, rank.data, rank.tools
         # Different seeds per rank on purpose: the broadcast, not luck, makes ranks agree.
         keras.utils.set_random_seed(args.seed + self.world.rank)
         self.net = build(args.model, self.data.info, args.dropout,
                          "mixed_float16" if args.amp else None)  # checked on every rank
         self.identity = RunIdentity.of(args, "tf", VERSIONS, self.data.info, self.net.count_params())
-        if together or self.world.rank == 0:
-            startup.check_output_folders(together, args, self.identity.param_count)
-        # Horovod: its timeline (--timeline-out) records from here on, written by rank 0.
-        self.tools.start(self.world.rank, hvd)
-
-        self.weights_total: WeightsTotal | None = None  # the fixed job's, from its train step
-        self.open_optimizer(elastic)
+        if not elastic or self.world.rank == 0:
+            startup_checks.check_output_folders(None if elastic else self.world, args,
+                                                self.identity.param_count)
         self.batch_sums = make_batch_sums(self.net, self.data.info)
-        self.weights_finite = (self.weights_total.finite if self.weights_total is not None
-                               else make_weights_finite(self.net))
+        self.weights_finite = make_weights_finite(self.net)
         self.loss_sum = 0.0
-
-    def open_optimizer(self, elastic: bool) -> None:
-        """The optimizer, the resume and the model's compilation: the ring's Horovod recipe (a
-        strategy that exchanges no gradients through Horovod replaces it)."""
-        args, k = self.args, self.args.backward_passes_per_step
-        # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
-        lr = self.target_lr if not elastic else args.base_lr  # elastic: set per step, per world
-        optimizer = keras.optimizers.SGD(learning_rate=lr, momentum=args.momentum)
-        if elastic:
-            self.optimizer = optimizer
-            optimizer.build(self.net.trainable_variables)
-            self.start_epoch = self.restore() if args.resume and self.world.rank == 0 else 0
-            # Horovod: wrap the model: its train step averages the gradients over all ranks.
-            self.model = DistributedModel(
-                self.net, backward_passes_per_step=k, micro_batch_size=args.batch_size,
-                fp16_allreduce=args.fp16_allreduce,
-                gradient_predivide_factor=args.gradient_predivide_factor)
-            self.model.compile(optimizer=optimizer)
-        else:
-            if args.amp:  # wrapped inside: the loss-scale skip is decided on allreduced gradients
-                optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-            # Horovod: wrap the optimizer: gradients are averaged over all ranks (allreduce) every
-            # K-th micro-batch step, after summing the K locally.
-            optimizer = hvd_keras.DistributedOptimizer(optimizer, **distributed_optimizer_options(args, hvd))
-            self.optimizer = optimizer
-            optimizer.build(self.net.trainable_variables)  # slots exist: checkpoints, broadcast
-            self.start_epoch = startup.resume_epoch(self.world, args, self.restore)
-            if self.start_epoch >= args.epochs:  # resumed at the end: no fit, so no fit broadcast
-                # Horovod: broadcast rank 0's weights and optimizer state: every rank evaluates them.
-                hvd.broadcast_variables([*self.net.weights, *optimizer.variables], root_rank=0)
-            self.sums, self.weights_total = loss_sums(), WeightsTotal(self.net)
-            # Each micro-batch's loss weighs 1/K, so the K summed gradients are their mean, as in
-            # the PyTorch trainer (loss / K) and for every op: Horovod's own
-            # average_aggregated_gradients refuses Adasum.  XLA off: this Horovod build has no XLA
-            # kernels (Keras turns it on on GPUs).
-            self.net.compile(optimizer=optimizer,
-                             loss=SparseLogitsLoss(),
-                             loss_weights=1.0 / k, metrics=[self.sums, self.weights_total],
-                             jit_compile=False)
-
-    def new_world(self) -> World:
-        """After an elastic re-form: this rank's new :class:`World`, and the train step traced
-        anew: the gradient exchange is decided at trace time (a world of one issues no
-        allreduce), so a step traced for one worker must not run with two."""
-        self.world = World(hvd, COLLECTIVES)
-        self.train_step = tf.function(self.model.train_step, jit_compile=False)
-        return self.world
-
-    # --- the fixed job: model.fit runs the steps ------------------------------------------------
-
-    def fit(self, fixed: FixedRun) -> None:
-        b, k = self.args.batch_size, self.args.backward_passes_per_step
-        # fit takes one micro-batch per call of its train step: K per optimizer step.
-        micro = [step[m * b:(m + 1) * b] for epoch in fixed.epochs()
-                 for step in fixed.index_batches(epoch) for m in range(k)]
-        # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) as fit begins.
-        callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
-                     FixedRunCallback(fixed, self.sums)]
-        self.net.fit(self.data.fit_dataset(micro), epochs=self.args.epochs,
-                     initial_epoch=fixed.start_epoch, steps_per_epoch=fixed.steps * k,
-                     shuffle=False, verbose=0, callbacks=callbacks)
-
-    # --- an elastic job: the shared loop runs the steps -----------------------------------------
 
     def batches(self, steps):
         return self.data.batches(steps)
-
-    def step(self, batch, lr: float) -> tuple[Loss, int]:
-        x, y = batch
-        self.optimizer.learning_rate = lr
-        self.model.loss_tracker.reset_state()
-        self.train_step((tf.constant(x), tf.constant(y)))
-        total = float(self.model.loss_tracker.total.numpy())
-        self.loss_sum += total
-        return total / max(len(y), 1), len(y)
 
     def take_loss_sum(self) -> float:
         total, self.loss_sum = self.loss_sum, 0.0
@@ -164,8 +80,6 @@ class KerasRun(FrameworkRun):
 
     def diverged(self, tag: StepTag) -> StepTag | None:
         return None if self.weights_finite() else tag
-
-    # --- the epoch's end and the run's -------------------------------------------------------------
 
     @property
     def problem(self) -> str | None:
@@ -187,3 +101,79 @@ class KerasRun(FrameworkRun):
     def parameters(self) -> list[np.ndarray]:
         return parameters(self.net)
 
+
+class KerasRun(KerasModelRun):
+    """One rank's Keras run on the ring.  ``elastic``: a worker of an elastic job, which trains
+    through :class:`DistributedModel` and gets rank 0's state from Horovod's elastic state."""
+
+    def __init__(self, args: argparse.Namespace, *, elastic: bool = False) -> None:
+        self.open_model(args, check_world=ring_options.check_world, elastic=elastic)
+        # Horovod: its timeline (--timeline-out) records from here on, written by rank 0.
+        self.tools.start(self.world.rank, hvd)
+        k = args.backward_passes_per_step
+        # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
+        lr = self.target_lr if not elastic else args.base_lr  # elastic: set per step, per world
+        optimizer = keras.optimizers.SGD(learning_rate=lr, momentum=args.momentum)
+        if elastic:
+            self.optimizer = optimizer
+            optimizer.build(self.net.trainable_variables)
+            self.start_epoch = self.restore() if args.resume and self.world.rank == 0 else 0
+            # Horovod: wrap the model: its train step averages the gradients over all ranks.
+            self.model = DistributedModel(
+                self.net, backward_passes_per_step=k, micro_batch_size=args.batch_size,
+                fp16_allreduce=args.fp16_allreduce,
+                gradient_predivide_factor=args.gradient_predivide_factor)
+            self.model.compile(optimizer=optimizer)
+            return
+        if args.amp:  # wrapped inside: the loss-scale skip is decided on allreduced gradients
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        # Horovod: wrap the optimizer: gradients are averaged over all ranks (allreduce) every
+        # K-th micro-batch step, after summing the K locally.
+        optimizer = hvd_keras.DistributedOptimizer(optimizer, **distributed_optimizer_options(args, hvd))
+        self.optimizer = optimizer
+        optimizer.build(self.net.trainable_variables)  # slots exist: checkpoints, broadcast
+        self.start_epoch = startup_checks.resume_epoch(self.world, args, self.restore)
+        if self.start_epoch >= args.epochs:  # resumed at the end: no fit, so no fit broadcast
+            # Horovod: broadcast rank 0's weights and optimizer state: every rank evaluates them.
+            hvd.broadcast_variables([*self.net.weights, *optimizer.variables], root_rank=0)
+        self.sums, weights_total = loss_sums(), WeightsTotal(self.net)
+        # Each micro-batch's loss weighs 1/K, so the K summed gradients are their mean, as in
+        # the PyTorch trainer (loss / K) and for every op: Horovod's own
+        # average_aggregated_gradients refuses Adasum.  XLA off: this Horovod build has no XLA
+        # kernels (Keras turns it on on GPUs).
+        self.net.compile(optimizer=optimizer, loss=SparseLogitsLoss(), loss_weights=1.0 / k,
+                         metrics=[self.sums, weights_total], jit_compile=False)
+        self.weights_finite = weights_total.finite  # the train step's own sum: no second pass
+
+    def new_world(self) -> World:
+        """After an elastic re-form: this rank's new :class:`World`, and the train step traced
+        anew: the gradient exchange is decided at trace time (a world of one issues no
+        allreduce), so a step traced for one worker must not run with two."""
+        self.world = World(hvd, COLLECTIVES)
+        self.train_step = tf.function(self.model.train_step, jit_compile=False)
+        return self.world
+
+    # --- the fixed job: model.fit runs the steps ------------------------------------------------
+
+    def fit(self, fixed: FixedLoop) -> None:
+        b, k = self.args.batch_size, self.args.backward_passes_per_step
+        # fit takes one micro-batch per call of its train step: K per optimizer step.
+        micro = [step[m * b:(m + 1) * b] for epoch in fixed.epochs()
+                 for step in fixed.index_batches(epoch) for m in range(k)]
+        # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) as fit begins.
+        callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+                     FixedLoopCallback(fixed, self.sums)]
+        self.net.fit(self.data.fit_dataset(micro), epochs=self.args.epochs,
+                     initial_epoch=fixed.start_epoch, steps_per_epoch=fixed.steps * k,
+                     shuffle=False, verbose=0, callbacks=callbacks)
+
+    # --- an elastic job: the shared loop runs the steps -----------------------------------------
+
+    def step(self, batch, lr: float) -> tuple[Loss, int]:
+        x, y = batch
+        self.optimizer.learning_rate = lr
+        self.model.loss_tracker.reset_state()
+        self.train_step((tf.constant(x), tf.constant(y)))
+        total = float(self.model.loss_tracker.total.numpy())
+        self.loss_sum += total
+        return total / max(len(y), 1), len(y)

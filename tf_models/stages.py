@@ -3,7 +3,7 @@
 
 What splits: a ``keras.Sequential`` or a functional model that is a chain (each layer reads the
 one before: the built-in ``cnn`` and ``mlp``, and a user's), split between its layers, balanced by
-parameter count (:func:`ringtrain.pipeline.partition.balanced_split`); or a builder's list of S
+parameter count (:func:`ringtrain.strategies.pipeline.partition.balanced_split`); or a builder's list of S
 models or layers, the stages themselves.  Whether a functional model is a chain is tested, not
 guessed: its layers re-assembled as a ``Sequential`` must compute what the model computes (a
 residual connection, two inputs or a shared layer would not).  A stage is a ``Sequential`` of the
@@ -22,8 +22,8 @@ import keras
 import numpy as np
 
 from ringtrain.errors import UserError
-from ringtrain.pipeline.engine import Boundary
-from ringtrain.pipeline.partition import Stage, stage_ranges
+from ringtrain.strategies.pipeline.engine import Boundary
+from ringtrain.strategies.pipeline.partition import Stage, stage_ranges
 from tf_models.model import check, instantiate
 
 

@@ -7,10 +7,10 @@ the stage's optimizer is Horovod's ``DistributedOptimizer`` restricted to that s
 ``--fp16-allreduce``, ``--gradient-predivide-factor`` as in a data-parallel run; it allreduces a
 gradient once all M x K micro-batches' backward passes have added to it), and the stage's first
 replica broadcasts its weights and momentum within the set.  Activations and their gradients
-travel between a replica's stages over MPI (:mod:`ringtrain.pipeline.transport`, which says why
+travel between a replica's stages over MPI (:mod:`ringtrain.strategies.pipeline.transport`, which says why
 not ``torch.distributed.pipelining``); the schedule, metrics, checkpoints and the rest are the
-shared :class:`~ringtrain.pipeline.run.PipelineRun`'s.  The shared loop
-(:class:`~ringtrain.training.fixed.FixedRun`) trains it.
+shared :class:`~ringtrain.strategies.pipeline.run.PipelineRun`'s.  The shared loop
+(:class:`~ringtrain.training.fixed_loop.FixedLoop`) trains it.
 """
 
 from __future__ import annotations
@@ -22,17 +22,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ringtrain.data import dataset as datasets
 from ringtrain.optimizer_options import distributed_optimizer_options
-from ringtrain.output.summary import Summary
-from ringtrain.pipeline import run as pipeline
-from ringtrain.pipeline.transport import Link
-from ringtrain.training import startup
-from ringtrain.training.fixed import FixedRun
+from ringtrain.strategies.pipeline import options as pipeline_options
+from ringtrain.strategies.pipeline import run as pipeline
+from ringtrain.strategies.pipeline.transport import Link
+from ringtrain.training import startup as startup_checks
 from ringtrain.training.run import RunIdentity
-from torch_models import checkpoints, devices, stages
-from torch_models.collectives import COLLECTIVES, VERSIONS, average_buffers
-from torch_models.data import open_data
+from torch_models import checkpoints, stages, startup
+from torch_models.collectives import VERSIONS, average_buffers
 from torch_models.evaluation import parameters, weights_finite
 
 
@@ -44,27 +41,24 @@ class TorchPipelineRun(pipeline.PipelineRun):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, k = args, args.backward_passes_per_step
         sets = pipeline.before_init(args, hvd)  # MPI up (mpi4py), S divides the world
-        # Horovod: initialise, with one process set per stage: its replicas' gradient allreduce.
-        hvd.init(process_sets=sets)
+        # Horovod: initialise with one process set per stage (its replicas' gradient allreduce),
+        # pin, open the data (read by the R replicas): the start-up every PyTorch run shares.
+        rank = startup.open_rank(args, check_world=pipeline_options.check_world, process_sets=sets,
+                                 data_width=lambda world: world.size // args.pipeline_stages)
+        self.world, self.device, self.data = rank.world, rank.device, rank.data
         self.locate(hvd, sets)
-        # Horovod: pin this rank to its share of the host's cores and to GPU local_rank (if any).
-        self.device = devices.pin(hvd.local_rank(), hvd.local_size())
-        self.world = startup.begin(args, hvd, COLLECTIVES, use_gpu=self.device.type == "cuda")
         self.link = Link.open(self.world.rank, args.stall_timeout)
         self.open_pipeline(args)
-        # Horovod: this host's rank count sizes the data's decoding workers (--data).
-        self.data = open_data(args, self.world, self.device, hvd.local_size())
-        datasets.check_world(args, self.data.info, self.place.replicas)
         # Seeded per replica: replica 0's stages together are the model one process builds with
         # --seed; other replicas draw other weights on purpose, the broadcast makes them agree.
         torch.manual_seed(args.seed + self.place.replica)
-        split = startup.every_rank(self.world, lambda: stages.build(
+        split = startup_checks.every_rank(self.world, lambda: stages.build(
             args.model, self.data.info, args.dropout, self.place.stages))
         self.stage = split.modules[self.keep(split.stages, split.cuts)].to(self.device)
         del split.modules  # the other stages' weights go
         self.identity = RunIdentity.of(args, "torch", VERSIONS, self.data.info, split.param_count,
                                        strategy="pipeline")
-        startup.check_output_folders(self.world, args, self.identity.param_count)
+        startup_checks.check_output_folders(self.world, args, self.identity.param_count)
 
         # Horovod: scale the learning rate with the replicas (R, the data-parallel width).
         optimizer = torch.optim.SGD(self.stage.parameters(), lr=self.target_lr,
@@ -185,7 +179,3 @@ class _StageEval:
             return torch.zeros(len(x), self.run.data.info.num_classes, device=self.run.device)
         return logits
 
-
-def train(args: argparse.Namespace) -> Summary:
-    run = TorchPipelineRun(args)
-    return FixedRun(args, run, start_epoch=run.start_epoch).train()

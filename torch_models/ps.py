@@ -1,13 +1,15 @@
 """``--strategy ps`` on PyTorch: the framework's half of a parameter-server run, and its job.
 
-:class:`TorchPSRun` is :class:`~torch_models.run.TorchRun` (the same preamble: initialise, pin,
-the data, the model, the checks) without the ring's recipe: no ``DistributedOptimizer``, no
-broadcast.  MPI is initialised by mpi4py first (:func:`ringtrain.training.ps_mpi.start`), Horovod
-runs the start-up's collectives and is shut down once the run is open; server 0 (rank 0) keeps a
+:class:`TorchPSRun` opens as every PyTorch run does (:func:`torch_models.startup.open_rank`:
+initialise, pin, the data; then the whole model and the checks,
+:meth:`~torch_models.run.TorchModelRun.open_model`), without the ring's recipe: no
+``DistributedOptimizer``, no broadcast.  MPI is initialised by mpi4py first
+(:func:`ringtrain.strategies.ps.transport.start`), Horovod runs the start-up's collectives and is
+shut down once the run is open; server 0 (rank 0) keeps a
 plain ``torch.optim.SGD`` only to write and read checkpoints in the ring's format.  What the
 engine asks of PyTorch: the trainable parameters as one flat float32 vector and back, one step's
 gradient as one, and the momentum buffers (``momentum_buffer``: ``v = mu v + g``, the ``torch``
-rule of :class:`ringtrain.training.ps.SliceSGD`).
+rule of :class:`ringtrain.strategies.ps.engine.SliceSGD`).
 """
 
 from __future__ import annotations
@@ -20,23 +22,25 @@ import torch
 import torch.nn.functional as F
 
 from ringtrain.errors import UserError
-from ringtrain.output.summary import Summary
+from ringtrain.strategies.ps import options as ps_options
+from ringtrain.strategies.ps.run import ParameterServerRun
 from ringtrain.training import startup
-from ringtrain.training.fixed import FixedRun
-from ringtrain.training.ps_run import ParameterServerRun
-from torch_models.run import TorchRun
+from torch_models.run import TorchModelRun
 
 
-class TorchPSRun(ParameterServerRun, TorchRun):
+class TorchPSRun(ParameterServerRun, TorchModelRun):
+    """The parameter servers' framework-free half (:class:`ParameterServerRun`) with a PyTorch
+    rank that holds the whole model (:class:`~torch_models.run.TorchModelRun`)."""
+
     momentum_rule = "torch"
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.open_run(args, hvd)
+        self.open_run(hvd, lambda: self.open_model(args, check_world=ps_options.check_world),
+                      self.open_optimizer)
 
-    def open_optimizer(self, elastic: bool) -> None:
+    def open_optimizer(self) -> None:
         """Server 0's optimizer, for checkpoints only (the servers update their slices), and the
         resume on rank 0; no wrapping, no broadcast."""
-        self.role_ranks(self.world)
         self.trained = [p for p in self.model.parameters() if p.requires_grad]
         odd = sorted({str(p.dtype) for p in self.trained} - {"torch.float32"})
         if odd:
@@ -110,7 +114,3 @@ class TorchPSRun(ParameterServerRun, TorchRun):
                 b.copy_(torch.from_numpy(flat[start:start + b.numel()]).view_as(b))
                 start += b.numel()
 
-
-def train(args: argparse.Namespace) -> Summary:
-    run = TorchPSRun(args)
-    return FixedRun(args, run, start_epoch=run.start_epoch).train()

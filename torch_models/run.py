@@ -3,7 +3,7 @@
 :class:`TorchRun` opens the run once, in the order it happens, every Horovod line marked
 ``# Horovod:`` (Horovod's own ``examples/pytorch/pytorch_mnist.py`` has the same handful):
 initialise, pin the rank to its cores and GPU, scale the LR, wrap the optimizer, broadcast rank
-0's state.  The shard is the library's (:meth:`ringtrain.training.fixed.FixedRun.index_batches`).
+0's state.  The shard is the library's (:meth:`ringtrain.training.fixed_loop.FixedLoop.index_batches`).
 After that it owns what needs PyTorch: the step, the loss sums, the finiteness check,
 BatchNorm's buffers, evaluation, checkpoints, the checksums.
 """
@@ -18,17 +18,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ringtrain.data import dataset as datasets
-from ringtrain.horovod_tools import HorovodTools
 from ringtrain.optimizer_options import distributed_optimizer_options
 from ringtrain.output.progress import Loss
-from ringtrain.runtime import before_init
-from ringtrain.training import startup
+from ringtrain.strategies.ring import options as ring_options
+from ringtrain.training import startup as startup_checks
 from ringtrain.training.run import FrameworkRun, RunIdentity, StepTag
 from ringtrain.training.world import World
-from torch_models import checkpoints, devices
+from torch_models import checkpoints, startup
 from torch_models.collectives import COLLECTIVES, VERSIONS, average_buffers
-from torch_models.data import open_data
 from torch_models.evaluation import FiniteWatch, parameters
 from torch_models.model import build
 
@@ -53,50 +50,88 @@ def keep_fused_amp_step(optimizer: torch.optim.Optimizer) -> None:
         optimizer._step_supports_amp_scaling = True
 
 
-class TorchRun(FrameworkRun):
-    """One rank's PyTorch run.  ``elastic``: a worker of an elastic job, which issues no
-    collective while it opens (a worker joining later would never be matched with it): its data
-    is opened alone, rank 0 alone checks the folders and restores, and Horovod's elastic state,
-    not a broadcast here, hands rank 0's weights to everyone."""
+class TorchModelRun(FrameworkRun):
+    """A PyTorch rank that holds the whole model: what the ring (:class:`TorchRun`) and the
+    parameter servers (:class:`torch_models.ps.TorchPSRun`) share once the run is open: the
+    batches, the loss sums, the finiteness check, BatchNorm's buffers, evaluation, checkpoints,
+    the checksums.  The strategy's constructor calls :meth:`open_model`, then adds its optimizer."""
 
     fused: bool | None = None  # SGD's fused kernel (a GPU; see fused_sgd), else PyTorch's default
+    optimizer: torch.optim.Optimizer | None = None
 
-    def __init__(self, args: argparse.Namespace, *, elastic: bool = False) -> None:
+    def open_model(self, args: argparse.Namespace, *, check_world, elastic: bool = False) -> None:
+        """The framework's start-up (:func:`torch_models.startup.open_rank`), then the model,
+        seeded per rank, the run's identity and the output folders' check.  ``elastic``: a worker
+        of an elastic job, which issues no collective while it opens: rank 0 alone checks the
+        folders."""
         self.args, k = args, args.backward_passes_per_step
-        before_init(args.stall_timeout)
-        self.tools = HorovodTools.before_init(args)  # --timeline-out, --autotune: the environment
-        # Horovod: initialise; from here on every rank knows its rank and the world size.
-        hvd.init()
-        # Horovod: pin this rank to its share of the host's cores and to GPU local_rank (if any).
-        self.device = devices.pin(hvd.local_rank(), hvd.local_size())
-        self.world = startup.begin(args, hvd, COLLECTIVES, use_gpu=self.device.type == "cuda",
-                                   elastic=elastic)
-        together = None if elastic else self.world  # who opens together, with collectives
-        # Horovod: this host's rank count sizes the data's decoding workers (--data).
-        self.data = open_data(args, together, self.device, hvd.local_size())
-        if not elastic:
-            datasets.check_world(args, self.data.info, self.world.size)
-        # Different seeds per rank on purpose: the broadcast below, not luck, makes ranks agree.
+        rank = startup.open_rank(args, check_world=check_world, elastic=elastic)
+        self.world, self.device, self.data, self.tools = rank.world, rank.device, rank.data, rank.tools
+        # Different seeds per rank on purpose: the broadcast, not luck, makes ranks agree.
         torch.manual_seed(args.seed + self.world.rank)
         self.model = build(args.model, self.data.info, args.dropout).to(self.device)  # checked
         self.identity = RunIdentity.of(args, "torch", VERSIONS, self.data.info,
                                        sum(p.numel() for p in self.model.parameters()))
-        if together or self.world.rank == 0:
-            startup.check_output_folders(together, args, self.identity.param_count)
-        # Horovod: its timeline (--timeline-out) records from here on, written by rank 0.
-        self.tools.start(self.world.rank, hvd)
-        self.open_optimizer(elastic)
-        self.scaler = torch.amp.GradScaler("cuda") if args.amp else None
+        if not elastic or self.world.rank == 0:
+            startup_checks.check_output_folders(None if elastic else self.world, args,
+                                                self.identity.param_count)
         # On a GPU, reading the weights' finiteness at once each step would stall the GPU's queue
         # (an elastic job reads it at once: a commit between two steps must hold finite weights).
         self.finite = FiniteWatch(self.model, lag=self.device.type == "cuda" and not elastic)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.micro = args.batch_size if k > 1 else None
 
-    def open_optimizer(self, elastic: bool) -> None:
-        """The optimizer, the resume and the broadcast: the ring's Horovod recipe (a strategy
-        that exchanges no gradients through Horovod replaces it)."""
-        args = self.args
+    def batches(self, steps):
+        # Once per epoch, not per step (19 us of the CNN's GPU step, bound by the CPU): only the
+        # evaluation between epochs switches the model to eval mode.
+        self.model.train()
+        return self.data.epoch(steps)
+
+    def take_loss_sum(self) -> float:
+        total = float(self.loss_sum)
+        self.loss_sum.zero_()
+        return total
+
+    def diverged(self, tag: StepTag) -> StepTag | None:
+        return self.finite.step(tag)
+
+    def flush_diverged(self) -> StepTag | None:
+        return self.finite.flush()
+
+    @property
+    def problem(self) -> str | None:
+        return self.data.problem
+
+    def sync_buffers(self) -> None:
+        average_buffers(self.model)
+
+    def eval_sums(self) -> list[float]:
+        return self.data.eval_sums(self.model, self.world.rank, self.world.size)
+
+    def save(self, epoch: int) -> None:
+        checkpoints.save(self.args.checkpoint_dir, epoch, self.model, self.optimizer,
+                         self.identity, self.args)
+
+    def restore(self) -> int:
+        epoch = checkpoints.restore(self.args.checkpoint_dir, self.model, self.optimizer,
+                                    self.identity)
+        for group in self.optimizer.param_groups:  # the checkpoint's groups say where it was written
+            group["fused"] = self.fused
+        return epoch
+
+    def parameters(self) -> list[np.ndarray]:
+        return parameters(self.model)
+
+
+class TorchRun(TorchModelRun):
+    """One rank's PyTorch run on the ring.  ``elastic``: a worker of an elastic job (no collective
+    while it opens; Horovod's elastic state, not a broadcast here, hands rank 0's weights to
+    everyone)."""
+
+    def __init__(self, args: argparse.Namespace, *, elastic: bool = False) -> None:
+        self.open_model(args, check_world=ring_options.check_world, elastic=elastic)
+        # Horovod: its timeline (--timeline-out) records from here on, written by rank 0.
+        self.tools.start(self.world.rank, hvd)
         # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
         lr = self.target_lr if not elastic else args.base_lr  # elastic: set per step, per world
         self.fused = fused_sgd(self.model, self.device) or None
@@ -112,10 +147,11 @@ class TorchRun(FrameworkRun):
         if elastic:  # the first sync hands rank 0's restored state to all
             self.start_epoch = self.restore() if args.resume and self.world.rank == 0 else 0
         else:
-            self.start_epoch = startup.resume_epoch(self.world, args, self.restore)
+            self.start_epoch = startup_checks.resume_epoch(self.world, args, self.restore)
             # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) to every rank.
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
             hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
+        self.scaler = torch.amp.GradScaler("cuda") if args.amp else None
 
     def new_world(self) -> World:
         """After an elastic re-form: this rank's new :class:`World`."""
@@ -123,12 +159,6 @@ class TorchRun(FrameworkRun):
         return self.world
 
     # --- one optimizer step ---------------------------------------------------------------------
-
-    def batches(self, steps):
-        # Once per epoch, not per step (19 us of the CNN's GPU step, bound by the CPU): only the
-        # evaluation between epochs switches the model to eval mode.
-        self.model.train()
-        return self.data.epoch(steps)
 
     def step(self, batch, lr: float) -> tuple[Loss, int]:
         x_all, y_all = batch
@@ -166,40 +196,3 @@ class TorchRun(FrameworkRun):
         n = len(y_all)
         # This rank's mean loss of the step, read (a wait for the GPU) only when shown.
         return (lambda: sum(float(v) * m for v, m in losses) / n), n
-
-    def take_loss_sum(self) -> float:
-        total = float(self.loss_sum)
-        self.loss_sum.zero_()
-        return total
-
-    def diverged(self, tag: StepTag) -> StepTag | None:
-        return self.finite.step(tag)
-
-    def flush_diverged(self) -> StepTag | None:
-        return self.finite.flush()
-
-    # --- the epoch's end and the run's -------------------------------------------------------------
-
-    @property
-    def problem(self) -> str | None:
-        return self.data.problem
-
-    def sync_buffers(self) -> None:
-        average_buffers(self.model)
-
-    def eval_sums(self) -> list[float]:
-        return self.data.eval_sums(self.model, self.world.rank, self.world.size)
-
-    def save(self, epoch: int) -> None:
-        checkpoints.save(self.args.checkpoint_dir, epoch, self.model, self.optimizer,
-                         self.identity, self.args)
-
-    def restore(self) -> int:
-        epoch = checkpoints.restore(self.args.checkpoint_dir, self.model, self.optimizer,
-                                    self.identity)
-        for group in self.optimizer.param_groups:  # the checkpoint's groups say where it was written
-            group["fused"] = self.fused
-        return epoch
-
-    def parameters(self) -> list[np.ndarray]:
-        return parameters(self.model)

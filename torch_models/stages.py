@@ -2,7 +2,7 @@
 
 What splits: the built-in ``cnn`` and ``mlp`` (their :meth:`layers`, the same modules as a chain),
 a user's builder that returns a ``torch.nn.Sequential`` (split between its children, balanced by
-parameter count: :func:`ringtrain.pipeline.partition.balanced_split`), or one that returns a list
+parameter count: :func:`ringtrain.strategies.pipeline.partition.balanced_split`), or one that returns a list
 of S modules, the stages themselves.  Anything else cannot be split (a module's ``forward`` may
 do anything between its children) and is one line.
 
@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from ringtrain.errors import UserError
-from ringtrain.pipeline.engine import Boundary
-from ringtrain.pipeline.partition import Stage, stage_ranges
+from ringtrain.strategies.pipeline.engine import Boundary
+from ringtrain.strategies.pipeline.partition import Stage, stage_ranges
 from torch_models.model import BUILTIN, check, instantiate, model_shape
 
 

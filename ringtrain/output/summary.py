@@ -70,7 +70,7 @@ class Summary:
     strategy: str = "ring"  # --strategy
     # --strategy ps: servers, workers, staleness; the staleness histogram (server updates each
     # applied gradient was behind), updates/s and bytes per step of each server, each worker's
-    # wait, and the exactly-once counters (ringtrain.training.ps_run.summary_record)
+    # wait, and the exactly-once counters (ringtrain.strategies.ps.run.summary_record)
     ps: dict[str, Any] | None = None
     # --pipeline-stages > 1: the stages (layers, params, bytes), schedule, micro-batches, the
     # replicas, and each stage's measured busy and step time (param_checksums are then per rank

@@ -3,7 +3,7 @@
 A run object (``torch_models.run.TorchRun``, ``tf_models.run.KerasRun``, and the strategies
 built on them) opens the run once, between ``hvd.init()`` and the first step: Horovod, the
 device, the data, the model, the optimizer, the resume and the broadcast.  From then on the
-framework-free loops (:class:`ringtrain.training.fixed.FixedRun`,
+framework-free loops (:class:`ringtrain.training.fixed_loop.FixedLoop`,
 :func:`ringtrain.training.elastic.train_world`) ask it for everything that needs the framework,
 through the methods below, and for nothing else.  Its :class:`RunIdentity` says what is being
 trained, once, for the summary, the checkpoints and the banner.
@@ -175,7 +175,7 @@ class FrameworkRun(ABC):
 
     def fit(self, fixed: Any) -> None:
         """Train every epoch of ``fixed``, a fixed-size job's
-        :class:`~ringtrain.training.fixed.FixedRun` (which imports this module).  By default the
-        library's loop (:meth:`FixedRun.step_epochs`) calls :meth:`step`; a framework whose own loop runs the
+        :class:`~ringtrain.training.fixed_loop.FixedLoop` (which imports this module).  By default the
+        library's loop (:meth:`FixedLoop.step_epochs`) calls :meth:`step`; a framework whose own loop runs the
         steps (Keras' ``model.fit``) overrides this and reports each step to ``fixed``."""
         fixed.step_epochs()

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-from ringtrain import flags, horovod_tools
+from ringtrain import horovod_tools
 from ringtrain.data import dataset as datasets
 from ringtrain.data import decoded_cache
 from ringtrain.data.dataset import ArrayData, FolderData
@@ -27,12 +27,12 @@ T = TypeVar("T")
 
 
 def begin(args: argparse.Namespace, hvd, collectives: Collectives, *, use_gpu: bool,
-          elastic: bool = False) -> World:
-    """This rank's :class:`World`, after the checks that need the world size (not for an elastic
-    job, whose size changes), and the watchdog started."""
+          check_world: Callable[[argparse.Namespace, int], None], elastic: bool = False) -> World:
+    """This rank's :class:`World`, after the strategy's checks that need the world size
+    (``check_world``; not for an elastic job, whose size changes), and the watchdog started."""
     world = World(hvd, collectives)
     if not elastic:
-        flags.validate_world(args, world.size)
+        check_world(args, world.size)
     if args.amp and not use_gpu:
         raise UserError("--amp needs a CUDA GPU; drop the flag on CPU machines")
     watchdog.start(args.stall_timeout, hvd, world.gather,  # watchdog: a stuck rank ends the job

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from ringtrain.errors import UserError
-from ringtrain.flags import PS_NEEDS_MPI
 from ringtrain.runtime import uses_gloo
+from ringtrain.strategies.ps.options import PS_NEEDS_MPI
 from ringtrain.training.world import Collectives, World
 
 RECOVERY_ENV = "OMPI_MCA_orte_enable_recovery"  # what mpirun --enable-recovery sets in each rank
@@ -69,7 +69,7 @@ def recovery_enabled(env: dict[str, str] | None = None) -> bool:
 
 
 class MpiLink:
-    """:class:`ringtrain.training.ps.Link` over a communicator: ``Isend``/``Irecv`` of float32
+    """:class:`ringtrain.strategies.ps.engine.Link` over a communicator: ``Isend``/``Irecv`` of float32
     arrays, waits bounded by polling."""
 
     POLL_MIN, POLL_MAX = 50e-6, 1e-3

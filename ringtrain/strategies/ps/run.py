@@ -3,7 +3,7 @@
 :class:`ParameterServerRun` is the half of a parameter-server run object that needs no
 framework: mixed into a framework's run object (``torch_models.ps.TorchPSRun``,
 ``tf_models.ps.KerasPSRun``), it takes over :meth:`fit` and drives the engine
-(:mod:`ringtrain.training.ps`) through the shared :class:`~ringtrain.training.fixed.FixedRun`:
+(:mod:`ringtrain.strategies.ps.engine`) through the shared :class:`~ringtrain.training.fixed_loop.FixedLoop`:
 the same shards, the same LR rule, the same epoch records, exact metrics and checkpoints.  The
 framework's half only moves the model's trainable parameters to and from one flat float32 vector
 and computes a step's gradient as one (:meth:`get_flat`, :meth:`set_flat`, :meth:`flat_gradient`;
@@ -14,7 +14,7 @@ server 0 handing each server the momentum of its slice.  Each epoch: servers ser
 work (:meth:`Server.serve_epoch`, :meth:`Worker.work_epoch`); server 0's verdict on dead workers
 reaches every survivor; the servers exchange their slices, so that every rank ends the epoch
 with the servers' weights (the workers got them in the reply to their FINAL); every rank learns
-whether the weights stayed finite; then :meth:`FixedRun.end_epoch` as for the ring: exact test
+whether the weights stayed finite; then :meth:`FixedLoop.end_epoch` as for the ring: exact test
 metrics on those weights, split over all ranks, and server 0's checkpoint (today's format, so
 ``--resume`` works across strategies and any number of servers).
 
@@ -28,26 +28,27 @@ line.  Server 0 itself dead: the workers' watchdogs name it.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from abc import abstractmethod
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ringtrain import flags
 from ringtrain.faults import watchdog
-from ringtrain.training import ps, ps_mpi
-from ringtrain.training.fixed import FixedRun
+from ringtrain.strategies.ps import engine as ps
+from ringtrain.strategies.ps import options as flags
+from ringtrain.strategies.ps import transport as ps_mpi
+from ringtrain.training.fixed_loop import FixedLoop
 from ringtrain.training.run import FrameworkRun
 from ringtrain.training.world import World
 
 
 class ParameterServerRun(FrameworkRun):
-    """Mix in before the framework's run object: ``class TorchPSRun(ParameterServerRun,
-    TorchRun)``, whose constructor calls :meth:`open_run`."""
+    """The framework-free half: ``class TorchPSRun(ParameterServerRun, TorchModelRun)`` (the
+    framework's whole-model rank), whose constructor calls :meth:`open_run` with its own steps."""
 
     momentum_rule: str  # "torch" | "keras": how the framework's SGD keeps momentum
 
@@ -128,15 +129,19 @@ class ParameterServerRun(FrameworkRun):
 
     # --- opening -------------------------------------------------------------------------------
 
-    def open_run(self, args: argparse.Namespace, hvd) -> None:
-        """The framework's preamble (the class after this one in the MRO: ``TorchRun``,
-        ``KerasRun``), with MPI initialised by mpi4py before it and Horovod (``hvd``, the
-        framework's module) shut down after it, once its start-up collectives are done; then
-        :meth:`open_servers`.  Horovod stays when it already ran in this process (an earlier ring
-        run in the tests' probe): it owns MPI then, and shutting it down would finalise MPI."""
+    def open_run(self, hvd, open_model: Callable[[], None],
+                 open_optimizer: Callable[[], None]) -> None:
+        """The run's opening, in order: MPI initialised by mpi4py; the framework's start-up and
+        whole model (``open_model``: Horovod's collectives check and open the data); the roles;
+        server 0's optimizer and the resume (``open_optimizer``); Horovod (``hvd``, the
+        framework's module) shut down, its start-up collectives done; then :meth:`open_servers`.
+        Horovod stays when it already ran in this process (an earlier ring run in the tests'
+        probe): it owns MPI then, and shutting it down would finalise MPI."""
         running = hvd.is_initialized()
         MPI = ps_mpi.start()
-        super().__init__(args)
+        open_model()
+        self.role_ranks(self.world)
+        open_optimizer()
         if not running:
             # Horovod: shut down once the run is open: the servers exchange nothing through it.
             hvd.shutdown()
@@ -178,7 +183,7 @@ class ParameterServerRun(FrameworkRun):
 
     # --- the epochs -------------------------------------------------------------------------------
 
-    def config(self, fixed: FixedRun) -> ps.Config:
+    def config(self, fixed: FixedLoop) -> ps.Config:
         a = self.args
         # The engine's own deadline is a backstop: the watchdog ends a stalled job first, at
         # --stall-timeout, naming the silent rank from its heartbeats.
@@ -186,7 +191,7 @@ class ParameterServerRun(FrameworkRun):
         return ps.Config(self.roles, self.size, flags.staleness(a), a.momentum,
                          self.momentum_rule, fixed.steps, fixed.lr, deadline=deadline)
 
-    def fit(self, fixed: FixedRun) -> None:
+    def fit(self, fixed: FixedLoop) -> None:
         cfg = self.config(fixed)
         self.cfg, self.fixed = cfg, fixed
         self.epoch_marks: list[dict[str, Any]] = []

@@ -1,12 +1,12 @@
 """The run object of a pipeline, the part both frameworks share: what the shared loop
-(:class:`ringtrain.training.fixed.FixedRun`) asks of a run, answered for a rank that holds one
+(:class:`ringtrain.training.fixed_loop.FixedLoop`) asks of a run, answered for a rank that holds one
 stage of one replica.
 
 * **Data.** A replica reads one shard (``shard_rank`` = its index, ``shard_size`` = R, so the LR
   scales with R, the data-parallel width); its first stage reads the inputs, its last stage the
   labels, the stages between read nothing.  A step of K x B rows (K =
   ``--backward-passes-per-step``) is cut into micro-batches of B / M rows.
-* **A step.** The schedule's forwards and backwards (:func:`ringtrain.pipeline.engine.run_step`);
+* **A step.** The schedule's forwards and backwards (:func:`ringtrain.strategies.pipeline.engine.run_step`);
   each micro-batch's loss is its examples' summed loss divided by the step's rows, so the
   accumulated gradients are the step's mean gradient; then the optimizer step, whose allreduce
   averages them over the stage's R replicas (Horovod, in the stage's process set); then one
@@ -38,11 +38,11 @@ import numpy as np
 from ringtrain import runtime
 from ringtrain.errors import UserError, printable
 from ringtrain.output.progress import Loss
-from ringtrain.pipeline import transport
-from ringtrain.pipeline.engine import Boundary, EvalRelay, run_step
-from ringtrain.pipeline.partition import Stage
-from ringtrain.pipeline.placement import Placement, check_world
-from ringtrain.pipeline.schedule import bubble_formula, in_flight, stage_ops
+from ringtrain.strategies.pipeline import transport
+from ringtrain.strategies.pipeline.engine import Boundary, EvalRelay, run_step
+from ringtrain.strategies.pipeline.partition import Stage
+from ringtrain.strategies.pipeline.placement import Placement, check_world
+from ringtrain.strategies.pipeline.schedule import bubble_formula, in_flight, stage_ops
 from ringtrain.training import startup
 from ringtrain.training.run import FrameworkRun, StepTag
 from ringtrain.training.world import World

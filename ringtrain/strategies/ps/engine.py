@@ -10,7 +10,7 @@ flat slices anyway.
 
 A worker pulls the weights (one slice from every server), computes the gradient of one batch,
 pushes it (one slice to every server) and gets the next weights in reply.  Its batches are its
-shard of the epoch, exactly the ring's (``FixedRun.index_batches``: shard rank = worker index,
+shard of the epoch, exactly the ring's (``FixedLoop.index_batches``: shard rank = worker index,
 shard size = number of workers); server 0 hands them out one at a time in its replies, own
 batches in order, and a worker whose own batches are all handed out takes the last unassigned
 batch of the worker with the most left (the epoch's tail goes to whoever is free).  Every batch
@@ -23,7 +23,7 @@ The update rule, SGD with momentum in the framework's own form (``rule``: ``torc
 
 * **staleness 0** (synchronous through the servers): a server waits for the N gradients of step
   t, averages them in worker order and applies one update at the ring's LR for that step (the
-  LR rule scaled by N, ``FixedRun.lr``), then answers the N pulls.  That is the ring's math: the
+  LR rule scaled by N, ``FixedLoop.lr``), then answers the N pulls.  That is the ring's math: the
   same average, the same update, so N workers after k steps hold the ring's weights up to float
   summation order.
 * **staleness K > 0 or inf**: each gradient is applied once, as it arrives, at LR / N (N
@@ -43,7 +43,7 @@ histogram; 0 throughout at K = 0).
 
 Every message is one float32 array: an 8-value header (:data:`HEADER`, read as int32 through a
 view, the step's loss as float32) and, for pushes and replies, the slice.  Nothing is pickled.
-The transport (:class:`Link`) is MPI point to point in a job (``ringtrain.training.ps_mpi``) and
+The transport (:class:`Link`) is MPI point to point in a job (``ringtrain.strategies.ps.transport``) and
 threads of one process in the tests.
 """
 

@@ -2,10 +2,10 @@
 and the LR of every step, the divergence stop, each epoch's exact metrics, record and
 checkpoint, and the end.
 
-:meth:`FixedRun.train` runs the epochs through the run object's :meth:`~FrameworkRun.fit`: the
-library's own loop (:meth:`FixedRun.step_epochs`, which calls the run's ``step``), or the
-framework's (Keras' ``model.fit``), which reports each optimizer step to :meth:`FixedRun.before_step`
-and :meth:`FixedRun.after_step` and each epoch to :meth:`FixedRun.end_epoch`.  Either way every
+:meth:`FixedLoop.train` runs the epochs through the run object's :meth:`~FrameworkRun.fit`: the
+library's own loop (:meth:`FixedLoop.step_epochs`, which calls the run's ``step``), or the
+framework's (Keras' ``model.fit``), which reports each optimizer step to :meth:`FixedLoop.before_step`
+and :meth:`FixedLoop.after_step` and each epoch to :meth:`FixedLoop.end_epoch`.  Either way every
 rank makes the same calls in the same order: that is what keeps the collectives here matched.
 """
 
@@ -28,7 +28,7 @@ from ringtrain.training.evaluation import exact_test_metrics
 from ringtrain.training.run import FrameworkRun, StepTag
 
 
-class FixedRun:
+class FixedLoop:
     def __init__(self, args: argparse.Namespace, run: FrameworkRun, *, start_epoch: int,
                  progress: Progress | None = None) -> None:
         self.args, self.run, self.world = args, run, run.world

@@ -6,13 +6,13 @@ alltoall), no send/receive between two ranks; an alltoall per micro-batch would 
 of the world take part in every hop.  Why not ``torch.distributed.pipelining``: it needs a
 ``torch.distributed`` process group (its own rendezvous and transport, Gloo or NCCL, beside
 Horovod's), exists for PyTorch only, and would run its own schedule and its own gradient
-reduction; here one schedule (:mod:`ringtrain.pipeline.schedule`) serves both frameworks and the
+reduction; here one schedule (:mod:`ringtrain.strategies.pipeline.schedule`) serves both frameworks and the
 gradients go through Horovod's process sets.  MPI is there already: Horovod's MPI controller runs
 on it, and mpi4py initialises it with ``MPI_THREAD_MULTIPLE`` before ``hvd.init()`` (which then
 uses it), so Horovod's background thread and these messages share it safely.  Gloo has no
 point-to-point API in Horovod, so a pipeline needs the MPI controller (refused under Gloo).
 
-Receives are posted before they are needed (:mod:`ringtrain.pipeline.engine` posts a window of
+Receives are posted before they are needed (:mod:`ringtrain.strategies.pipeline.engine` posts a window of
 them ahead); every wait polls its request with a short, growing pause (10 us up to
 :data:`MAX_PAUSE`, so a rank waiting through the pipeline's bubble gives its core to the stage it
 waits for) and is bounded: past ``--stall-timeout`` (and the watchdog's grace) it ends the job

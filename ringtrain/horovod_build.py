@@ -1,15 +1,12 @@
-"""The dispatcher: a checked command line to the framework's fixed or elastic trainer.
-
-Only one framework's Horovod module may be loaded per process (two copies of Horovod's native
-library otherwise), so the trainer is imported lazily, by name, after checking that the framework,
-Horovod's extension for it, and Horovod's build (the patch series it was built from) are what this
-checkout needs; each problem is one clear line.  The library (``ringtrain``) never imports this
-module: commands call the library, not the other way round.
+"""Horovod's build, checked before a trainer runs: the framework and Horovod's extension for it
+import, and the installed Horovod is the one this checkout's patch series builds; each problem is
+one clear line.  TensorFlow's C++ start-up lines are held back while it loads
+(:mod:`ringtrain.native_logs`).  :func:`ringtrain.strategies.registry.train`, every way into a
+trainer, calls :func:`import_entry`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import importlib
@@ -17,20 +14,11 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
-from launch.native_logs import min_level, quiet_native_logs
 from ringtrain.errors import UserError
-from ringtrain.faults import termination
-from ringtrain.training.elastic import check_launcher
+from ringtrain.native_logs import min_level, quiet_native_logs
 
-# framework -> (fixed-size trainer, elastic trainer); each module's ``train(args)`` runs a job.
-TRAINERS = {"torch": ("torch_models.train", "torch_models.elastic"),
-            "tf": ("tf_models.train", "tf_models.elastic")}
-# --strategy ps (issue 39): each framework's parameter-server trainer (fixed-size jobs only).
-PS_TRAINERS = {"torch": "torch_models.ps", "tf": "tf_models.ps"}
-# --pipeline-stages > 1 (model parallelism, a fixed-size job): the framework's pipeline trainer.
-PIPELINE_TRAINERS = {"torch": "torch_models.pipeline", "tf": "tf_models.pipeline"}
 _PACKAGES = {"torch": ("torch", "horovod.torch"), "tf": ("tensorflow", "horovod.tensorflow")}
 _INSTALL_HINT = "run 'make setup' (or bash .ci/setup) to install the pinned stack and build Horovod"
 # The patch series this checkout builds Horovod with; absent where ringtrain is installed without it.
@@ -66,7 +54,7 @@ def horovod_build_problem(series: Path = CHECKOUT_SERIES, package_dir: Path | No
     if package_dir is None:
         spec = importlib.util.find_spec("horovod")
         if spec is None or not spec.submodule_search_locations:
-            return None  # not installed: import_trainer says so
+            return None  # not installed: import_entry says so
         package_dir = Path(next(iter(spec.submodule_search_locations)))
     record = package_dir / "_ringtrain_patch.py"
     found = re.search(r'PATCH_SHA256 = "([0-9a-f]+)"', record.read_text()) if record.is_file() else None
@@ -89,18 +77,17 @@ def horovod_build_problem(series: Path = CHECKOUT_SERIES, package_dir: Path | No
             f"run 'make setup' to rebuild it (or set {ANY_HOROVOD}=1 to use it anyway)")
 
 
-def import_trainer(framework: str, elastic: bool = False, strategy: str = "ring",
-                   pipeline: bool = False) -> ModuleType:
-    """The framework's trainer module (its elastic one under ``elastic``, its parameter-server
-    one for ``strategy`` ps, its pipeline one under ``pipeline``), after checking that the
-    framework and Horovod's extension for it import."""
-    if framework not in TRAINERS:
-        raise UserError(f"unknown framework {framework!r}; choose one of {', '.join(TRAINERS)}")
+def import_entry(framework: str, entry: str) -> Any:
+    """What ``entry`` (``module:name``, a framework's run object or job) names, after checking
+    that the framework and Horovod's extension for it import and that Horovod is this checkout's
+    build; TensorFlow's start-up log lines below ``TF_CPP_MIN_LOG_LEVEL`` held back."""
+    if framework not in _PACKAGES:
+        raise UserError(f"unknown framework {framework!r}; choose one of {', '.join(_PACKAGES)}")
     quiet = contextlib.nullcontext()
     if framework == "tf":
         # TF's C++ start-up lines (oneDNN, CPU features, absl's pre-init warning) are noise to
         # users unless they ask for them with TF_CPP_MIN_LOG_LEVEL; TF itself ignores that
-        # variable for some of them (launch/native_logs.py), so the level is applied here too.
+        # variable for some of them (ringtrain/native_logs.py), so the level is applied here too.
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         quiet = quiet_native_logs(min_level(os.environ["TF_CPP_MIN_LOG_LEVEL"]))
     problem = horovod_build_problem()
@@ -117,19 +104,5 @@ def import_trainer(framework: str, elastic: bool = False, strategy: str = "ring"
         except ImportError as err:
             raise UserError(f"{horovod_pkg} cannot be imported ({err}); Horovod was not built with "
                             f"{framework_pkg} support: {_INSTALL_HINT}") from None
-        if strategy == "ps":
-            return importlib.import_module(PS_TRAINERS[framework])
-        if pipeline:
-            return importlib.import_module(PIPELINE_TRAINERS[framework])
-        return importlib.import_module(TRAINERS[framework][1 if elastic else 0])
-
-
-def run(framework: str, args: argparse.Namespace, own_signals: bool = True) -> int:
-    """Run a validated command line: the framework's elastic trainer under ``--elastic``, else
-    its fixed-size one.  ``own_signals``: this process is the trainer's (not a Ray actor's)."""
-    check_launcher(args.elastic)
-    if own_signals:
-        termination.install()  # SIGTERM: finish a save under way, then exit 143 with one line
-    import_trainer(framework, elastic=args.elastic, strategy=args.strategy,
-                   pipeline=args.pipeline_stages > 1).train(args)
-    return 0
+        module, name = entry.split(":")
+        return getattr(importlib.import_module(module), name)

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ringtrain.pipeline.placement import Placement
-from ringtrain.pipeline.schedule import BACKWARD, FORWARD, Op
+from ringtrain.strategies.pipeline.placement import Placement
+from ringtrain.strategies.pipeline.schedule import BACKWARD, FORWARD, Op
 
 ACTIVATION, GRADIENT, EVAL = 0, 1, 2
 KINDS = 4
@@ -59,7 +59,7 @@ class StageWork(Protocol):
         (None on the first stage)."""
 
 
-class Link(Protocol):  # ringtrain.pipeline.transport.Link, or a test's stand-in
+class Link(Protocol):  # ringtrain.strategies.pipeline.transport.Link, or a test's stand-in
     def post(self, shape, dtype, source: int, tag: int, what: str) -> Any: ...
     def wait(self, incoming) -> np.ndarray: ...
     def send(self, array: np.ndarray, dest: int, tag: int) -> None: ...

@@ -1,0 +1,89 @@
+"""The pipeline's flags (``--pipeline-stages``, ``--microbatches``, ``--schedule``) and their
+checks; ``--pipeline-stages S`` with S > 1 chooses this strategy."""
+
+from __future__ import annotations
+
+import argparse
+
+from ringtrain.errors import UserError
+from ringtrain.strategies.pipeline.placement import check_world as check_stages_divide
+from ringtrain.strategies.pipeline.schedule import SCHEDULES
+
+NAME = "pipeline"
+HELP = ("pipeline: the model split by layers into --pipeline-stages S stages (model "
+        "parallelism; implied by S > 1)")
+# Horovod on Ray runs Gloo, and a pipeline's activations travel between two ranks over MPI.
+NEEDS_MPI = ("--pipeline-stages: Horovod on Ray runs with Gloo, which has no messages between two "
+             "ranks (a pipeline's activations travel over MPI); run the pipeline with horovodrun, "
+             "mpirun or srun")
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("pipeline (model parallelism; docs/pipeline.md)")
+    g.add_argument("--pipeline-stages", type=int, default=1, metavar="S",
+                   help="split the model by layers into S stages on S ranks, micro-batches "
+                        "pipelined through them; the world is S x R ranks, R replicas trained "
+                        "data-parallel (default 1: every rank holds the whole model)")
+    g.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="with --pipeline-stages: micro-batches per batch, M must divide "
+                        "--batch-size (default S)")
+    g.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="with --pipeline-stages: gpipe (all forwards, then all backwards) or "
+                        "1f1b (one forward, one backward: fewer activations held; the default)")
+
+
+def implied(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for a pipeline without ``--strategy``."""
+    return args.pipeline_stages > 1
+
+
+def check_unused(args: argparse.Namespace) -> None:
+    """Another strategy runs: the pipeline's flags must not be given (S = 1 is no pipeline)."""
+    if args.pipeline_stages < 1:
+        raise UserError(f"--pipeline-stages must be a positive integer, got {args.pipeline_stages}")
+    for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule)):
+        if value is not None:
+            raise UserError(f"{flag} works with --pipeline-stages 2 or more; add it or drop "
+                            f"{flag}")
+
+
+def validate(args: argparse.Namespace) -> None:
+    """The pipeline runs: its flags' checks; fills in their defaults."""
+    stages = args.pipeline_stages
+    if stages < 2:
+        raise UserError(f"--strategy pipeline needs --pipeline-stages S of 2 or more (the model "
+                        f"split into S stages), got {stages}; add --pipeline-stages 2")
+    args.microbatches = stages if args.microbatches is None else args.microbatches
+    args.schedule = args.schedule or "1f1b"
+    if args.microbatches < 1:
+        raise UserError(f"--microbatches must be a positive integer, got {args.microbatches}")
+    if args.batch_size % args.microbatches:
+        raise UserError(f"--microbatches {args.microbatches} must divide --batch-size "
+                        f"{args.batch_size} (equal micro-batches); change one of them")
+    if args.elastic:
+        raise UserError("--elastic with --pipeline-stages: an elastic job re-forms its world as "
+                        "workers come and go, and a pipeline needs every stage of a replica at "
+                        "once (one lost rank stops its whole replica); drop one of the two flags")
+    if args.adasum:
+        raise UserError("--adasum with --pipeline-stages: each stage's gradients are combined "
+                        "within its own process set, and Horovod 0.28.1's Adasum works on the "
+                        "whole world only; drop --adasum")
+    if args.amp:
+        raise UserError("--amp with --pipeline-stages is not supported yet; drop one of the two "
+                        "flags")
+    # Horovod 0.28.1 scores the autotuner's samples on the global process set only (operations.cc:
+    # "process_set_id == 0"), and its timeline is written by rank 0, which negotiates only the
+    # sets it belongs to: a pipeline allreduces each stage's gradients in the stage's own set.
+    if args.autotune is not None:
+        raise UserError("--autotune with --pipeline-stages: Horovod's autotuner scores only "
+                        "allreduces over every rank, and a pipeline allreduces each stage's "
+                        "gradients within the stage's ranks; drop one of the two flags")
+    if args.timeline_out is not None:
+        raise UserError("--timeline-out with --pipeline-stages: rank 0 writes Horovod's timeline "
+                        "and sees only its own stage's allreduces (the other stages' would be "
+                        "missing); drop one of the two flags")
+
+
+def check_world(args: argparse.Namespace, world_size: int) -> None:
+    """Right after ``hvd.init()``, on every rank: S divides the world."""
+    check_stages_divide(args.pipeline_stages, world_size)
