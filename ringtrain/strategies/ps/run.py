@@ -183,6 +183,12 @@ class ParameterServerRun(FrameworkRun):
 
     # --- the epochs -------------------------------------------------------------------------------
 
+    def step(self, batch: Any, lr: float) -> tuple[float, int]:
+        """Not the servers' way: :meth:`fit` runs their loop and the workers' (a worker's step is
+        a pull, :meth:`flat_gradient` and a push), so the library's step loop never calls this."""
+        raise RuntimeError("a parameter-server run's steps are run by its fit(), not step()")
+
+
     def config(self, fixed: FixedLoop) -> ps.Config:
         a = self.args
         # The engine's own deadline is a backstop: the watchdog ends a stalled job first, at
