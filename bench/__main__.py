@@ -11,12 +11,14 @@ folder's size, throughput against one fixed batch; PyTorch): ``--only data``; ``
 servers against the ring: staleness against accuracy, a straggler, the server's link as root;
 PyTorch): ``--only ps``; ``pipeline`` (model parallelism: GPipe and 1F1B against the bubble
 formula, against data parallelism, a model too large for one rank's memory cap, and, as root, the
-bytes on a link between two emulated hosts; PyTorch): ``--only pipeline``.
-Each part's JSON is written to ``<out>/<part>.json`` as soon as it
-finishes; ``results.json`` merges the latest of each, so ``--only`` reruns one part and keeps the
-others.  ``--profile RUN`` runs only that run (names as printed, e.g.
-``torch/trainer/horovod/mnist/np2``) under py-spy, optionally with Horovod's timeline.
-``--smoke --out DIR``: the smallest run of each part (:mod:`bench.smoke`), to check it still runs.
+bytes on a link between two emulated hosts; PyTorch): ``--only pipeline``.  Each part is a module
+of bench/parts/: its own name, or ``allreduce`` (collectives), ``emulated_cluster`` (cluster),
+``owndata`` (data), ``param_servers`` (ps), ``model_parallel`` (pipeline).
+Each part's JSON is written to ``<out>/<part>.json`` as soon as it finishes; ``results.json``
+merges the latest of each, so ``--only`` reruns one part and keeps the others.  ``--profile RUN``
+runs only that run (names as printed, e.g. ``torch/trainer/horovod/mnist/np2``) under py-spy,
+optionally with Horovod's timeline.  ``--smoke --out DIR``: the smallest run of each part
+(:mod:`bench.parts.smoke`), to check it still runs.
 """
 
 from __future__ import annotations
@@ -26,23 +28,23 @@ import sys
 import time
 from pathlib import Path
 
-from bench import (
+from bench.common import util
+from bench.parts import (
     accuracy,
-    cluster,
-    collectives,
+    allreduce,
     config,
+    emulated_cluster,
     floor,
     machine,
+    model_parallel,
     owndata,
-    pipeline,
+    param_servers,
     profiling,
-    ps,
-    report,
     smoke,
     throughput,
-    util,
 )
-from bench.jobs import Profiling, execute, parse_run
+from bench.parts.training_runs import Profiling, execute, parse_run
+from bench.reports import report
 
 PARTS = report.PARTS
 ALIASES = {"scaling": "throughput", "peers": "throughput", "horovod-cost": "throughput",
@@ -61,9 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated parts: {', '.join(PARTS)} "
                         f"(default: {', '.join(report.DEFAULT_PARTS)})")
     p.add_argument("--frameworks", default="torch,tf", help="torch, tf or both (default)")
-    p.add_argument("--cells", default=",".join(cluster.CELLS),
-                   help=f"cluster part: which of its cells to run ({', '.join(cluster.CELLS)}; default all); "
-                        "a subset replaces those cells' records in OUT/cluster.json and keeps the rest")
+    p.add_argument("--cells", default=",".join(emulated_cluster.CELLS),
+                   help=f"cluster part: which of its cells to run ({', '.join(emulated_cluster.CELLS)}; "
+                        "default all); a subset replaces those cells' records in OUT/cluster.json and "
+                        "keeps the rest")
     p.add_argument("--data-models", default=None,
                    help="data part: which of its models to measure (cnn, resnet18; default both)")
     p.add_argument("--data-rounds", type=int, default=None, metavar="N",
@@ -105,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             raise bad_input(f"--only: unknown part {name!r}; choose from {', '.join(PARTS)}")
         parts.append(name)
     cells = [c.strip() for c in args.cells.split(",") if c.strip()]
-    if not cells or any(c not in cluster.CELLS for c in cells):
-        raise bad_input(f"--cells: {args.cells!r}: choose from {', '.join(cluster.CELLS)}")
-    rerun = set(cells) != set(cluster.CELLS)
+    if not cells or any(c not in emulated_cluster.CELLS for c in cells):
+        raise bad_input(f"--cells: {args.cells!r}: choose from {', '.join(emulated_cluster.CELLS)}")
+    rerun = set(cells) != set(emulated_cluster.CELLS)
     if rerun and parts != ["cluster"]:
         raise bad_input("--cells reruns some cells of the cluster part: use it with --only cluster")
     if rerun and not (out / "cluster.json").exists():
@@ -150,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         if part == "throughput":
             data = throughput.run_part(cfg, out, frameworks)
         elif part == "collectives":
-            data = collectives.run_part(cfg, out)
+            data = allreduce.run_part(cfg, out)
         elif part == "cluster":
-            ccfg = smoke.cluster_config() if args.smoke else cluster.quick() if args.quick else cluster.full()
-            data = cluster.run_part(ccfg.only(cells), out)
+            scale = emulated_cluster.quick if args.quick else emulated_cluster.full
+            ccfg = smoke.cluster_config() if args.smoke else scale()
+            data = emulated_cluster.run_part(ccfg.only(cells), out)
         elif part == "floor":
             data = floor.run_part(smoke.floor_config() if args.smoke else floor.quick() if args.quick
                                   else floor.full(), out)
@@ -166,21 +170,23 @@ def main(argv: list[str] | None = None) -> int:
             dcfg = scale(supported).only_models(data_models).with_rounds(args.data_rounds)
             data = owndata.run_part(dcfg, out)
         elif part == "ps":
-            data = ps.run_part(ps.smoke() if args.smoke else ps.quick() if args.quick else ps.full(),
-                               out)
+            scale = (param_servers.smoke if args.smoke else param_servers.quick if args.quick
+                     else param_servers.full)
+            data = param_servers.run_part(scale(), out)
         elif part == "pipeline":
             if "torch" not in frameworks:
                 util.say("pipeline: measures torch only; skipped")
                 continue
-            scale = pipeline.smoke if args.smoke else pipeline.quick if args.quick else pipeline.full
-            data = pipeline.run_part(scale(), out)
+            scale = (model_parallel.smoke if args.smoke else model_parallel.quick if args.quick
+                     else model_parallel.full)
+            data = model_parallel.run_part(scale(), out)
         else:
             data = accuracy.run_part(cfg, out, frameworks)
         data["quick"] = cfg.quick or args.smoke
         data["started"] = started
         data["machine"] = util.read_json(out / "machine.json")  # the limits its numbers meet
         if part == "cluster" and rerun and "skipped" not in data:
-            data = cluster.merge_rerun(util.read_json(out / "cluster.json"), data, command)
+            data = emulated_cluster.merge_rerun(util.read_json(out / "cluster.json"), data, command)
         util.write_json(out / f"{part}.json", data)
 
     results = merge(out, {"quick": cfg.quick or args.smoke, "started": started, "command": command,

@@ -61,7 +61,7 @@ def configure_mpi_progress(env: dict[str, str] | None = None) -> None:
     Open MPI busy-polls for messages unless it knows the host is oversubscribed, and horovodrun
     tells it every rank has its own slot.  With one rank per core (or more ranks than cores) the
     polling rank steals the core its peer needs to finish the step everyone is waiting for.
-    Measured with bench/torch_loop.py on 2 cores (BENCHMARKS.md): -np 2 went from 1156-1344 to
+    Measured with bench/workers/torch_loop.py on 2 cores (BENCHMARKS.md): -np 2 went from 1156-1344 to
     1683-1899 images/s, -np 4 from 872-901 to 1739-1780.  A user's explicit setting wins.
     """
     env = os.environ if env is None else env

@@ -106,7 +106,7 @@ LEFT_OUT: list[tuple[str, str]] = [
     ("tests/test_models.py::test_tensorboard_rank0_writes_every_epoch_and_step[tf]",
      "[torch] (ringtrain.output.tensorboard writes for both)"),
     ("tests/test_bench_data.py::test_data_part_runs_end_to_end_at_the_smallest_size[tf]",
-     "[torch] (python -m bench.owndata, the same driver; TF's bench loop in test_bench_smoke)"),
+     "[torch] (python -m bench.parts.owndata, the same driver; TF's bench loop in test_bench_smoke)"),
     ("tests/test_ray.py::test_local_ray_trains_with_identical_ranks[tf]",
      "[torch] (the Ray worker runs either trainer the same way); test_ray_cluster"),
     ("tests/test_ray_cluster.py::test_two_nodes_train_with_identical_ranks[torch]",

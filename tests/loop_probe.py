@@ -34,7 +34,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import _basics
 
-from bench import loopcounters, wait_worker
+from bench.workers import loopcounters, wait_worker
 
 
 def in_threads(*targets) -> list[str]:

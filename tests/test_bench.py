@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench import metrics
-from bench.accuracy import parse_epoch_line
-from bench.coll_worker import PSCounter, ps_allreduce
-from bench.profiling import summarize_pyspy, summarize_timeline
+from bench.common import metrics
+from bench.parts.accuracy import parse_epoch_line
+from bench.parts.profiling import summarize_pyspy, summarize_timeline
+from bench.workers.coll_worker import PSCounter, ps_allreduce
 
 
 def test_busbw_is_ring_traffic_over_time():
@@ -148,7 +148,7 @@ def fake_results(quick: bool) -> dict:
 
 
 def test_report_renders_tables_ratios_and_machine():
-    from bench.report import render
+    from bench.reports.report import render
 
     md = render(fake_results(quick=False))
     assert "Test CPU, 2 cores" in md
@@ -162,24 +162,25 @@ def test_report_renders_tables_ratios_and_machine():
 
 
 def test_quick_report_says_so():
-    from bench.report import render
+    from bench.reports.report import render
 
     assert "**QUICK MODE.**" in render(fake_results(quick=True))
 
 
 def test_plots_render(tmp_path):
     pytest.importorskip("matplotlib")
-    from bench.plots import render_all
+    from bench.reports.plots import render_all
 
     made = render_all(fake_results(quick=False), tmp_path)
     assert set(made) == {"scaling", "bandwidth", "accuracy"}
     assert all((tmp_path / f).stat().st_size > 1000 for f in made.values())
 
 
-# -- the emulated cluster's pure parts (bench/costmodel.py, projection.py, report_cluster.py) --------
+# -- the emulated cluster's pure parts (bench/common/costmodel.py, projection.py, report_cluster.py) --------
 
-from bench import costmodel, projection  # noqa: E402
-from bench.coll_worker import iface_bytes  # noqa: E402
+from bench.common import costmodel  # noqa: E402
+from bench.reports import projection  # noqa: E402
+from bench.workers.coll_worker import iface_bytes  # noqa: E402
 
 
 def test_ring_and_server_formulas():
@@ -325,7 +326,7 @@ def fake_cluster(quick: bool = False) -> dict:
 
 
 def test_cluster_report_renders_the_checks():
-    from bench.report import render
+    from bench.reports.report import render
 
     res = fake_results(quick=False)
     res["cluster"] = fake_cluster()
@@ -347,7 +348,7 @@ def test_cluster_report_renders_the_checks():
 def test_across_hosts_checks_judge_issue_41s_targets():
     import copy
 
-    from bench import report_cluster as rc
+    from bench.reports import report_cluster as rc
 
     cl = fake_cluster()
     # mpi4py's ring: what Horovod's ring takes, less half at 64 KiB (Horovod 2x there)
@@ -378,7 +379,7 @@ def test_across_hosts_checks_judge_issue_41s_targets():
     mpi["result"]["seconds_per_step"] = 4.4
     cl["training"].append(mpi)
     assert "with horovodrun's MPI default 0.50x at 4 hosts;" in " ".join(rc.ddp_check(cl))
-    from bench.report import render
+    from bench.reports.report import render
 
     res = fake_results(quick=False)
     res["cluster"] = cl
@@ -389,7 +390,7 @@ def test_across_hosts_checks_judge_issue_41s_targets():
 
 
 def test_cluster_report_quick_and_skipped():
-    from bench.report import render
+    from bench.reports.report import render
 
     res = fake_results(quick=True)
     res["cluster"] = fake_cluster(quick=True)
@@ -403,7 +404,7 @@ def test_cluster_report_quick_and_skipped():
 
 def test_cluster_plots_render(tmp_path):
     pytest.importorskip("matplotlib")
-    from bench.plots import render_all
+    from bench.reports.plots import render_all
 
     res = fake_results(quick=False)
     res["cluster"] = fake_cluster()
@@ -412,10 +413,10 @@ def test_cluster_plots_render(tmp_path):
     assert all((tmp_path / f).stat().st_size > 1000 for f in made.values())
 
 
-# -- rerunning a few cluster cells, plain and prioritised (bench/cluster_cells.py) ------------------
+# -- rerunning a few cluster cells, plain and prioritised (bench/parts/cluster_cells.py) ------------------
 
-from bench import cluster_cells  # noqa: E402
-from bench.coll_worker import parse_schedstat, sched_delta, sched_times  # noqa: E402
+from bench.parts import cluster_cells  # noqa: E402
+from bench.workers.coll_worker import parse_schedstat, sched_delta, sched_times  # noqa: E402
 
 
 def test_schedstat_per_thread_and_the_busiest_thread():
@@ -512,7 +513,7 @@ def test_cluster_cells_training_cells():
     assert by["horovod-gloo", 2]["seconds_per_step"] == []  # a failed cell is left out, not zero
 
 
-# -- the headline and each section's date and build (bench/report_headline.py, report_builds.py) -----
+# -- the headline and each section's date and build (bench/reports/report_headline.py, report_builds.py) -----
 
 OLD, NEW = "0.28.1", "0.28.1+ringtrain.0123456789"
 
@@ -543,7 +544,7 @@ def headline(md: str) -> dict[str, list[str]]:
 
 
 def test_headline_quotes_the_sections_figures_with_their_date_and_build():
-    from bench.report import render
+    from bench.reports.report import render
 
     md = render(dated_results())
     assert md.index("# Benchmarks") < md.index("## Headline") < md.index("## Machine")
@@ -570,7 +571,8 @@ def test_headline_figures_are_in_their_sections_for_the_committed_results():
     from results.json, not typed in."""
     import re
 
-    from bench import report, report_headline, util
+    from bench.common import util
+    from bench.reports import report, report_headline
 
     res = util.read_json(util.REPO / "bench" / "results" / "results.json")
     res["meta"]["plots_rel"] = "bench/results"  # what report.write adds
@@ -589,7 +591,7 @@ def test_headline_figures_are_in_their_sections_for_the_committed_results():
 
 
 def test_a_section_on_an_older_build_says_so_and_one_on_the_newest_does_not():
-    from bench.report import render
+    from bench.reports.report import render
 
     md = render(dated_results())
     older = (f"**Measured on an older build:** 2026-11-23 06:04 UTC, Horovod `{OLD}`; not rerun on "
@@ -604,7 +606,7 @@ def test_a_section_on_an_older_build_says_so_and_one_on_the_newest_does_not():
 
 
 def test_a_rerun_of_some_cells_dates_the_figures_it_holds():
-    from bench.report import render
+    from bench.reports.report import render
 
     res = dated_results()
     res["cluster"] = fake_cluster()
@@ -627,7 +629,7 @@ def test_a_rerun_of_some_cells_dates_the_figures_it_holds():
 
 
 def test_quick_headline_withholds_its_figures():
-    from bench.report import render
+    from bench.reports.report import render
 
     rows = headline(render(dated_results(quick=True)))
     assert rows and {row[0] for row in rows.values()} == {"-"}
@@ -635,7 +637,7 @@ def test_quick_headline_withholds_its_figures():
 
 def test_data_models_chooses_the_data_parts_models_and_refuses_the_unknown(capsys):
     from bench import __main__ as bench_main
-    from bench import owndata
+    from bench.parts import owndata
 
     assert [m.name for m in owndata.full().only_models(["cnn"]).models] == ["cnn"]
     assert owndata.full().only_models(None).models == owndata.full().models
@@ -653,7 +655,7 @@ def test_data_models_chooses_the_data_parts_models_and_refuses_the_unknown(capsy
 
 def test_a_ratio_just_under_the_data_target_never_reads_as_the_target():
     """89.7% of the fixed batch misses a 90% target: the report says 89.7%, not 90%."""
-    from bench.report_data import pct_of_target
+    from bench.reports.report_data import pct_of_target
 
     assert pct_of_target(0.897) == "89.7%" and pct_of_target(0.9049) == "90%"
     assert pct_of_target(0.90) == "90%" and pct_of_target(0.84) == "84%" and pct_of_target(1.03) == "103%"
@@ -666,8 +668,8 @@ def test_a_part_says_whether_other_jobs_shared_the_cores_from_its_own_load():
     import json
     from pathlib import Path
 
-    from bench import report_pipeline, report_ps
-    from bench.tables import load_note
+    from bench.common.tables import load_note
+    from bench.reports import report_pipeline, report_ps
 
     busy = "load above the 2 cores at the start: other work ran beside it or just before"
     assert load_note([11.9, 9.6, 6.0], 2) == busy
@@ -682,3 +684,48 @@ def test_a_part_says_whether_other_jobs_shared_the_cores_from_its_own_load():
         assert "no other job was running on the 2 cores" in "\n".join(render(res)), part
         res[part][key] = [7.0, 5.0, 3.0]
         assert busy in "\n".join(render(res)), part
+
+
+BENCH_FOLDERS = ("common", "parts", "workers", "reports")
+LIBRARY = ("ringtrain", "launch", "torch_models", "tf_models")
+
+
+def module_names(root) -> dict[str, list[str]]:
+    """Every module (``x.py``) and package (a folder with ``__init__.py``) under ``root``, root
+    included, by its name: ``{name: [paths]}`` (``__init__`` and ``__main__`` are not names)."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        if path.name == "__init__.py":
+            name, where = path.parent.name, path.parent
+        elif path.name == "__main__.py":
+            continue
+        else:
+            name, where = path.stem, path
+        found.setdefault(name, []).append(str(where.relative_to(root.parent)))
+    return found
+
+
+def test_bench_modules_live_in_their_folders_and_share_no_name_with_the_library():
+    """bench/ is the entry point (``python -m bench``) and four folders; no module or package of
+    it is named like one of ringtrain/, launch/, torch_models/ or tf_models/ (a ``bench/ps.py``
+    beside ``ringtrain/strategies/ps/`` read as the same thing), nor like another of bench/."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    bench = repo / "bench"
+    missing = [f for f in BENCH_FOLDERS if not (bench / f / "__init__.py").is_file()]
+    assert not missing, f"bench/ lacks the packages {missing}"
+    flat = sorted(p.name for p in bench.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert not flat, f"put {flat} in one of bench/{{{','.join(BENCH_FOLDERS)}}}/ (bench/README.md)"
+    ours = module_names(bench)
+    library: dict[str, list[str]] = {}
+    for top in LIBRARY:
+        for name, paths in module_names(repo / top).items():
+            library.setdefault(name, []).extend(paths)
+    assert library.keys() >= {"cluster", "jobs", "ps", "pipeline", "collectives"}  # the check sees them
+    clashes = {name: ours[name] + library[name] for name in sorted(ours.keys() & library.keys())}
+    assert not clashes, f"bench modules named like library modules (rename them): {clashes}"
+    twice = {name: paths for name, paths in ours.items() if len(paths) > 1}
+    assert not twice, f"bench modules sharing a name: {twice}"

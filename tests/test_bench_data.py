@@ -1,4 +1,4 @@
-"""Smoke test of the ``data`` benchmark part (bench/owndata.py) at its smallest size.
+"""Smoke test of the ``data`` benchmark part (bench/parts/owndata.py) at its smallest size.
 
 A few dozen JPEGs, one step, -np 1, every kind of run once, per framework; output to a temporary
 folder, never to bench/results/ or BENCHMARKS.md.  It checks that the part runs end to end and
@@ -20,7 +20,7 @@ from conftest import REPO, requires_horovod, run
 def test_data_part_runs_end_to_end_at_the_smallest_size(tmp_path, framework):
     kept = {p: p.stat().st_mtime_ns for p in (REPO / "bench/results/data.json", REPO / "BENCHMARKS.md")
             if p.exists()}
-    proc = run([sys.executable, "-m", "bench.owndata", "--scale", "smoke", "--frameworks", framework,
+    proc = run([sys.executable, "-m", "bench.parts.owndata", "--scale", "smoke", "--frameworks", framework,
                 "--out", str(tmp_path)], timeout=560)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "data.json").read_text())
@@ -40,10 +40,10 @@ def test_data_part_runs_end_to_end_at_the_smallest_size(tmp_path, framework):
     assert not list((tmp_path / "tmp" / "data" / "runs").glob("*/decoded"))
     # the folders of both memory sizes were read by the trainer, through PyTorch's DataLoader
     # workers (started from a fork server).  The workers themselves are sampled every 0.5 s
-    # (bench/procs.py), which a smoke run's workers can outlive or not, depending on the machine:
+    # (bench/workers/procs.py), which a smoke run's workers can outlive or not, depending on the machine:
     # what was seen must be whole, but seeing them is the full run's business.
     assert sorted(r["folder_key"] for r in data["memory"]) == ["mem-24", "mem-48"]
-    # the rank's own resident set by kind (bench/procs.py PeakParts): its heap is never empty
+    # the rank's own resident set by kind (bench/workers/procs.py PeakParts): its heap is never empty
     assert all(q["peak_rss_parts_mib"]["anon"] > 0 for r in data["memory"] for q in r["ranks"])
     if framework == "torch":
         for r in data["memory"] + [r for r in data["throughput"] if r["data"] == "folder"]:
@@ -63,7 +63,7 @@ def test_data_part_runs_end_to_end_at_the_smallest_size(tmp_path, framework):
     # the 200,000-file folders are never kept
     assert not (tmp_path / "tmp" / "data" / "folders").exists()
 
-    from bench import report_data
+    from bench.reports import report_data
 
     md = "\n".join(report_data.section({"data": data}))
     for heading in ("## 8. Your own data", "### 8.1", "### 8.2", "### 8.4", "### 8.5", "SMOKE RUN"):

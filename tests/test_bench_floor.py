@@ -1,4 +1,4 @@
-"""``python -m bench --only floor`` (bench/floor.py): the report's pure parts, and a smoke run of
+"""``python -m bench --only floor`` (bench/parts/floor.py): the report's pure parts, and a smoke run of
 the entry point at its smallest (-np 2, 4 KiB, one step) so that it cannot rot.  The smoke run
 checks that every cell ran and produced its figures, never how fast anything was."""
 
@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench import floor, loopcounters, report_floor
+from bench.parts import floor
+from bench.reports import report_floor
+from bench.workers import loopcounters
 
 
 def coll(np, impl, loop, seconds):

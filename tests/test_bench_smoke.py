@@ -3,13 +3,13 @@ not in the next full run of the suite.
 
 * each part of ``python -m bench --smoke`` (throughput, collectives, accuracy, floor, pipeline;
   as root the cluster), ``--profile`` (its samples where py-spy is installed), and SIGTERM to the driver;
-* every worker the parts launch: ``bench/torch_loop.py``, ``bench/tf_loop.py`` and
-  ``bench/rankexec.py`` (throughput, floor), ``bench/coll_worker.py`` (collectives, floor, cluster,
-  and its hierarchical mode here), ``bench/bigmodel_torch.py`` and ``bench/bigmodel_tf.py`` (here,
-  with each wrapper that starts or exchanges differently, and in the cluster), ``bench/linkprobe.py``
-  (here, and in the cluster);
-* ``python -m bench.cluster_cells`` (as root), ``python -m bench.report``, and
-  ``bench/memlimit.py`` (in the pipeline part).
+* every worker the parts launch: ``bench/workers/torch_loop.py``, ``bench/workers/tf_loop.py`` and
+  ``bench/workers/rankexec.py`` (throughput, floor), ``bench/workers/coll_worker.py`` (collectives,
+  floor, cluster, and its hierarchical mode here), ``bench/workers/bigmodel_torch.py`` and
+  ``bench/workers/bigmodel_tf.py`` (here, with each wrapper that starts or exchanges differently,
+  and in the cluster), ``bench/workers/linkprobe.py`` (here, and in the cluster);
+* ``python -m bench.parts.cluster_cells`` (as root), ``python -m bench.reports.report``, and
+  ``bench/workers/memlimit.py`` (in the pipeline part).
 
 What is asserted is what the report needs and what the runs must get right (every record ok, each
 rank accounted for, the sums an allreduce must produce, identical weights on every rank after an
@@ -34,7 +34,8 @@ from pathlib import Path
 import pytest
 from conftest import BIN, REPO, requires_horovod
 
-from bench import netns_hosts, smoke, util
+from bench.common import netns_hosts, util
+from bench.parts import smoke
 
 PY = sys.executable
 LIMIT = 300  # seconds for one launch (a smoke part runs several, each under smoke.TIMEOUT_S)
@@ -102,7 +103,7 @@ def test_throughput_part(tmp_path):
     assert all(r["ok"] for r in runs), failed(runs)
     for r in runs:
         assert r["images_per_second"] > 0, r
-        # bench/rankexec.py wrapped every rank of every launcher and recorded its peak memory
+        # bench/workers/rankexec.py wrapped every rank of every launcher and recorded its peak memory
         assert len(r["peak_rss_mib"]) == r["np"] and min(r["peak_rss_mib"]) > 0, r
     results = json.loads((out / "results.json").read_text())
     assert results["meta"]["quick"] and results["throughput"]["runs"] == runs
@@ -242,7 +243,7 @@ def test_sigterm_ends_the_running_job(tmp_path):
     try:
         def ranks() -> list[int]:
             return [pid for pid, argv in processes_naming(out, proc.pid).items()
-                    if argv[1:3] == ["-m", "bench.coll_worker"]]
+                    if argv[1:3] == ["-m", "bench.workers.coll_worker"]]
 
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline and not ranks():
@@ -306,7 +307,7 @@ def test_coll_worker_cluster_only_impls(tmp_path, impl):
     (Horovod's coordination round, then the data's allreduce).  The worker checks every sum and
     fails on a wrong one; each rank records its host and the cores it may run on."""
     result = tmp_path / "result.json"
-    launch(util.mpirun(2, [PY, "-m", "bench.coll_worker", "--impl", impl, "--sizes", "4096,65536",
+    launch(util.mpirun(2, [PY, "-m", "bench.workers.coll_worker", "--impl", impl, "--sizes", "4096,65536",
                            "--warmup", "1", "--reps", "1", "--out", str(result)]), tmp_path)
     doc = json.loads(result.read_text())
     assert doc["world_size"] == 2 and [r["bytes"] for r in doc["rows"]] == [4096, 65536]
@@ -317,10 +318,11 @@ def test_coll_worker_cluster_only_impls(tmp_path, impl):
 
 def test_linkprobe(tmp_path):
     port = str(util.free_port())
-    server = subprocess.Popen([PY, "-m", "bench.linkprobe", "server", "127.0.0.1", port], cwd=REPO,
+    server = subprocess.Popen([PY, "-m", "bench.workers.linkprobe", "server", "127.0.0.1", port], cwd=REPO,
                               env=util.base_env(), start_new_session=True)
     try:
-        out = launch([PY, "-m", "bench.linkprobe", "client", "127.0.0.1", port], tmp_path, timeout=120)
+        out = launch([PY, "-m", "bench.workers.linkprobe", "client", "127.0.0.1", port], tmp_path,
+                     timeout=120)
         assert server.wait(timeout=30) == 0  # the server ends when the client hangs up
     finally:
         util.kill_group(server)
@@ -333,19 +335,19 @@ def test_linkprobe(tmp_path):
 # -- the report ------------------------------------------------------------------------------------
 
 def test_report_renders_the_committed_results_to_the_committed_report(tmp_path):
-    """``python -m bench.report`` on a copy of bench/results renders BENCHMARKS.md byte for byte:
+    """``python -m bench.reports.report`` on a copy of bench/results renders BENCHMARKS.md byte for byte:
     the report cannot drift from its generator or its data (after changing either, run
-    ``python -m bench.report``)."""
+    ``python -m bench.reports.report``)."""
     results = tmp_path / "bench" / "results"
     results.mkdir(parents=True)
     for name in ("results.json", "profile.json"):
         if (REPO / "bench" / "results" / name).exists():
             shutil.copy(REPO / "bench" / "results" / name, results / name)
-    launch([PY, "-m", "bench.report", "--out", str(results), "--markdown", str(tmp_path / "BENCHMARKS.md")],
-           tmp_path, timeout=120)
+    launch([PY, "-m", "bench.reports.report", "--out", str(results),
+            "--markdown", str(tmp_path / "BENCHMARKS.md")], tmp_path, timeout=120)
     rendered = (tmp_path / "BENCHMARKS.md").read_text()
     assert rendered == (REPO / "BENCHMARKS.md").read_text(), (
-        "BENCHMARKS.md is not what `python -m bench.report` renders from bench/results: re-render it")
+        "BENCHMARKS.md is not what `python -m bench.reports.report` renders from bench/results: re-render it")
     assert {p.name for p in results.glob("*.png")} >= {"scaling.png", "bandwidth.png", "accuracy.png"}
 
 
@@ -405,7 +407,7 @@ def test_cluster_part(tmp_path, netns_root):
 
 def test_cluster_cells(tmp_path, netns_root):
     result = tmp_path / "cells.json"
-    launch([PY, "-m", "bench.cluster_cells", "--hosts", "2", "--sizes", "64K", "--impls", "mpi4py-ring",
+    launch([PY, "-m", "bench.parts.cluster_cells", "--hosts", "2", "--sizes", "64K", "--impls", "mpi4py-ring",
             "--modes", "plain,nice,pinned", "--rounds", "1", "--out", str(result)], tmp_path)
     doc = json.loads(result.read_text())
     modes = [(c["mode"], c["ok"]) for c in doc["cells"]]

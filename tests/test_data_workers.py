@@ -1,7 +1,7 @@
 """PyTorch's DataLoader workers for streamed data are forks of a server that holds PyTorch.
 
 Each worker that imports PyTorch itself costs seconds of CPU and hundreds of MiB of private memory
-(bench/owndata.py measures it); forked from a server that already imported it, the pages are
+(bench/parts/owndata.py measures it); forked from a server that already imported it, the pages are
 shared.  Checked through the trainers' own loader (``torch_models.data.Streamed``) in a separate
 process: a worker reports its parent, and the parent must have PyTorch's library mapped.
 """

@@ -897,7 +897,7 @@ def test_horovodrun_across_hosts_runs_gloo_unless_told():
     """``python -m launch.horovodrun`` picks Gloo where the hosts span machines (measured faster
     than MPI there: docs/clusters.md); a chosen controller, one host or an elastic job is left
     alone; the bench's "default" cells run what it picks."""
-    from bench.cluster import shipped_flags
+    from bench.parts.emulated_cluster import shipped_flags
     from launch.horovodrun import with_controller
 
     cmd = ["python", "-m", "launch.torch_mnist"]

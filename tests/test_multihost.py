@@ -1,5 +1,5 @@
 """The multi-host path for real: ``horovodrun -np 2 -H rt-hosta:1,rt-hostb:1`` over ssh between two
-network namespaces on this machine (see bench/netns_hosts.py), under both controllers.
+network namespaces on this machine (see bench/common/netns_hosts.py), under both controllers.
 
 Runs as root where namespaces and sshd can be made (CI: .ci/setup installs openssh-server);
 elsewhere the whole module is skipped with the reason.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import BIN, REPO, requires_horovod
 
-from bench import netns_hosts
+from bench.common import netns_hosts
 
 pytestmark = requires_horovod
 TIMEOUT = 240

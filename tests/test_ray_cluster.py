@@ -1,5 +1,5 @@
 """``python -m launch.ray`` on a real two-node Ray cluster: a head (``ray start --head``) in one
-network-namespace host and a worker node (``ray start --address``) in the other (bench/netns_hosts.py:
+network-namespace host and a worker node (``ray start --address``) in the other (bench/common/netns_hosts.py:
 each with its own address and hostname), the job started on the head's host with ``--address``.
 
 Both frameworks train across the two nodes with identical ranks; then the worker node dies
@@ -31,7 +31,7 @@ import pytest
 from conftest import BIN, SMALL, requires_horovod
 from test_ray import RayJob, error_lines, metrics, requires_ray
 
-from bench import netns_hosts
+from bench.common import netns_hosts
 
 pytestmark = [requires_horovod, requires_ray]
 

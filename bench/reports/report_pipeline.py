@@ -1,0 +1,140 @@
+"""BENCHMARKS.md's model-parallelism section, from ``pipeline.json`` (:mod:`bench.parts.model_parallel`).
+
+Renders only: every number is a measurement of that run, a formula printed beside it, or a ratio
+of two measurements of the same run of the part.  In a quick or smoke run, ratios read ``-``.
+"""
+
+from __future__ import annotations
+
+from bench.common.tables import load_note, load_text, num, pct, table
+
+WITHHELD = "-"
+
+
+def _mb(nbytes: float | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 1e6:.1f}"
+
+
+def section(res: dict) -> list[str]:
+    data = res.get("pipeline")
+    if not data:
+        return []
+    comparing = not data.get("quick")
+    cfg = data["config"]
+    width, depth = cfg["mlp"]
+    lines = ["## 10. Model parallelism: a pipeline of stages", ""]
+    if data.get("quick"):
+        lines += ["> **QUICK RUN**: few steps; the numbers show that the part works, and no ratio "
+                  f"is printed (`{WITHHELD}`).", ""]
+    lines += [f"`python -m bench --only pipeline` (`bench/parts/model_parallel.py`), "
+              f"{data.get('started', '?')}: "
+              f"load average (1, 5, 15 min) {load_text(data.get('load_before'))} at the start and "
+              f"{load_text(data.get('load_after'))} at the end "
+              f"({load_note(data.get('load_before'), (res.get('machine') or {}).get('cores'))}: "
+              "compare rows of this run with each other, not with other sections). PyTorch, "
+              "`horovodrun -np 2`, `OMP_NUM_THREADS=1`; each figure from the trainer's own "
+              "`--metrics-out` summary. See docs/pipeline.md.", ""]
+    lines += _schedules(data, width, depth, comparing)
+    lines += _versus(data, comparing)
+    lines += _memory(data)
+    lines += _link(data, comparing)
+    return lines
+
+
+def _schedules(data: dict, width: int, depth: int, comparing: bool) -> list[str]:
+    cfg = data["config"]
+    rows = []
+    for r in data["schedules"]:
+        if not r["ok"]:
+            rows.append([r["schedule"], str(r["micro"]), "failed", "", "", pct(r["formula_bubble"]), ""])
+            continue
+        rows.append([r["schedule"], str(r["micro"]), num(r["images_per_second"]),
+                     pct(r["measured_bubble"]), pct(r["replayed_bubble"]),
+                     pct(r["formula_bubble"]),
+                     " / ".join(f"{1e3 * b:.1f}" for b in r["busy_seconds"])])
+    return [f"### Schedules: S = 2 stages, one replica, per-replica batch {cfg['batch']}, "
+            f"{cfg['steps']} steps", "",
+            f"An MLP of {depth} hidden layers of {width} ({data['mlp_params']:,} parameters, "
+            "`bench.parts.model_parallel:mlp`): split by parameter count, its two stages also do about "
+            "the same "
+            "work, the case the formula describes. Bubble measured: 1 - (mean computing time of "
+            "the stages) / (the longer stage's schedule), per step, the first step left out; "
+            "replayed: the schedule run on this run's own stage times (backward = 2 x forward); "
+            "formula: (S-1)/(M+S-1).", "",
+            table(["schedule", "M", "images/s", "bubble measured", "replayed", "formula",
+                   "computing ms/step, stage 0 / 1"], rows), ""]
+
+
+def versus_ratios(data: dict, comparing: bool) -> list[tuple[dict, float | None]]:
+    """Each run of "pipeline against data parallelism" with its images/s over the data-parallel
+    run's (None where either failed, or in a quick run)."""
+    rows = data.get("versus_dp") or []
+    dp = next((r for r in rows if r["ok"] and r["kind"] == "data-parallel"), None)
+    return [(r, r["images_per_second"] / dp["images_per_second"] if comparing and r["ok"] and dp else None)
+            for r in rows]
+
+
+def _versus(data: dict, comparing: bool) -> list[str]:
+    rows = versus_ratios(data, comparing)
+    if not rows:
+        return []
+    out = []
+    for r, ratio in rows:
+        out.append([r["kind"], str(r.get("global_batch", "")),
+                    num(r.get("images_per_second")) if r["ok"] else "failed",
+                    f"{ratio:.2f}x" if ratio is not None else WITHHELD])
+    return ["### Pipeline against data parallelism on the same 2 cores", "",
+            "The same MLP, the same global batch, -np 2: data parallel (every rank the whole "
+            "model, half the batch, one gradient allreduce per step) against the pipeline (S = 2, "
+            "one replica: no allreduce between ranks, activations sent between them, and the "
+            "bubble).", "",
+            table(["run", "global batch", "images/s", "vs data parallel"], out), ""]
+
+
+def _memory(data: dict) -> list[str]:
+    mem = data.get("memory")
+    if not mem:
+        return []
+    rows = []
+    for c in mem["cells"]:
+        peaks = [r["peak_rss_bytes"] for r in c.get("ranks", [])]
+        rows.append([f"S = {c['stages']}", "trained" if c["ok"] else
+                     ("failed: can't allocate memory" if c["allocation_failed"] else "failed"),
+                     " / ".join(_mb(b) for b in c.get("param_bytes", [])) or "-",
+                     " / ".join(_mb(b) for b in peaks) or "-"])
+    return ["### Memory: a model that does not fit one rank", "",
+            f"An MLP of {mem['depth']} hidden layers of {mem['width']}: {mem['params']:,} "
+            f"parameters, {_mb(mem['weight_bytes'])} MB of float32 weights, as many again in "
+            "gradients and in SGD's momentum. Each rank may allocate "
+            f"{mem['budget_mb']:.0f} MB beyond what PyTorch, Horovod and MPI hold once imported "
+            "(`bench/workers/memlimit.py`: `RLIMIT_DATA`), -np 2, 16 MiB fusion buffer:", "",
+            table(["run", "outcome", "parameter MB per rank (rank 0 / 1)",
+                   "peak resident MB per rank"], rows), ""]
+
+
+def _link(data: dict, comparing: bool) -> list[str]:
+    link = data.get("link")
+    if not link:
+        return []
+    if "skipped" in link:
+        return ["### Bytes on the link", "", f"Not measured: {link['skipped']}", ""]
+    rows = []
+    for r in link["rows"]:
+        if not r["ok"]:
+            rows.append([r["kind"], "failed", "", "", ""])
+            continue
+        measured = max(r["tx_per_step"], r["rx_per_step"])
+        rows.append([r["kind"], _mb(r["tx_per_step"]), _mb(r["rx_per_step"]),
+                     _mb(r["formula_each_way"]),
+                     f"{measured / r['formula_each_way']:.2f}" if comparing else WITHHELD])
+    return ["### Bytes on the link between two hosts, per training step", "",
+            f"Two network-namespace hosts, one rank each, the built-in CNN, global batch "
+            f"{link['global_batch']}: data parallel (each host's rank, half the batch; a ring "
+            "allreduce of the float32 gradients G moves 2(N-1)/N x G each way per step) against "
+            "the pipeline (stage 0 on one host, stage 1 on the other; B x A x 4 bytes each way: "
+            "B rows, A values per example at the cut). Counted by the kernel on host a's link "
+            "(frames: headers included), per step as the difference of two runs of "
+            f"{link['rows'][0].get('steps', ['?', '?'])[0]} and "
+            f"{link['rows'][0].get('steps', ['?', '?'])[1]} steps.", "",
+            table(["run", "MB out of host a", "MB into host a", "formula MB each way",
+                   "measured / formula"], rows), ""]
