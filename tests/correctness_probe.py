@@ -3,8 +3,8 @@
 Starting ``horovodrun`` and importing TensorFlow or PyTorch costs far more than the few training
 steps each invariant needs, so the correctness suite groups its runs by (framework, world size,
 launcher) and this script runs a group's runs one after another in the same processes.  Each run
-is the real trainer's way in, ``registry.train(framework, args)``, parsed from the same flags users type, with its own
-checkpoint folder and metrics file.
+is the real trainer's way in, ``registry.train(framework, args)``, parsed from the same flags
+users type, with its own checkpoint folder and metrics file.
 
     horovodrun -np 2 python tests/correctness_probe.py torch plan.json
 

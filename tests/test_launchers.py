@@ -125,7 +125,7 @@ def run_as_a_user(cmd: list[str], tmp_path, fakes: dict[str, str], env: dict | N
     forced on whatever the CPU (TF_ENABLE_ONEDNN_OPTS=1)."""
     for name, body in fakes.items():
         fake_package(tmp_path, name, body.format(name=name))
-    if "horovod" in fakes:  # a build of this checkout's patch series (ringtrain/horovod_build.py checks it) ...
+    if "horovod" in fakes:  # this checkout's patch series (ringtrain/horovod_build.py checks it) ...
         sha = series_sha256(CHECKOUT_SERIES)
         (tmp_path / "horovod" / "_ringtrain_patch.py").write_text(f'PATCH_SHA256 = "{sha}"\n')
     full = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}

@@ -179,7 +179,7 @@ def worker_context() -> multiprocessing.context.BaseContext:
     imported PyTorch itself: about 1.2 s of CPU and 283 MiB of private memory (USS) per worker, 4
     workers per rank at -np 1 on 2 cores (--workers for training and as many for evaluation);
     forked from a server that holds it, 0.02 s and 12 MiB each, and the server's 283 MiB once
-    per rank (bench/owndata.py, measured with bench/procs.py).
+    per rank (bench/parts/owndata.py, measured with bench/workers/procs.py).
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["__main__", "torch", __name__])
@@ -193,8 +193,8 @@ def workers(args: argparse.Namespace, local_size: int) -> int:
 # An epoch (or evaluation) whose images are all in the folder's decoded cache but at most this
 # share is read in the rank itself, a gather from the cache file per batch (the rest decoded
 # there), rather than through the DataLoader's workers: the read is then a gather and a
-# normalisation per batch (bench/decodecost.py's cached_batch), which the workers' per-item work
-# and their competition for the cores would only add to.  Not yet measured against the workers
+# normalisation per batch (bench/workers/decodecost.py's cached_batch), which the workers'
+# per-item work and their competition for the cores would only add to.  Not yet measured against the workers
 # in BENCHMARKS.md.
 IN_RANK_MISSING = 0.05
 
