@@ -279,7 +279,7 @@ def test_bigmodel_worker(framework, wrapper, model, np, tmp_path):
     barrier; the barrier is shared code), on the cluster's ResNet-18 for PyTorch and on ``tiny``
     for Keras: tracing ResNet-50's step is a minute of CPU, Keras's part of the code is the same."""
     result = tmp_path / "result.json"
-    inner = [PY, "-m", f"bench.bigmodel_{framework}", "--wrapper", wrapper, "--model", model,
+    inner = [PY, "-m", f"bench.workers.bigmodel_{framework}", "--wrapper", wrapper, "--model", model,
              "--batch-size", "2", "--warmup-steps", "1", "--steps", "1", "--out", str(result)]
     if wrapper == "horovod":
         launch([str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", *inner], tmp_path)
