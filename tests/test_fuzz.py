@@ -1,8 +1,10 @@
 """A fuzzing campaign: generated checkpoints (PyTorch and TensorFlow), image files, ``--data``
-folders, flag lines, heartbeat datagrams and rendezvous requests, fed in-process to the functions
-that read them: the trainers' checkpoint restore, :mod:`ringtrain.data.images`, the folder's
-scan and :class:`~ringtrain.data.dataset.FolderData`, the commands' parser, the watchdog's
-:meth:`~ringtrain.faults.watchdog.Watchdog.accept`, Horovod's rendezvous server.
+folders, flag lines, heartbeat datagrams, rendezvous requests, parameter-server messages and
+pipeline messages, fed in-process to the functions that read them: the trainers' checkpoint
+restore, :mod:`ringtrain.data.images`, the folder's scan and
+:class:`~ringtrain.data.dataset.FolderData`, the commands' parser, the watchdog's
+:meth:`~ringtrain.faults.watchdog.Watchdog.accept`, Horovod's rendezvous server, a parameter
+server's and a worker's header checks, the pipeline's boundary checks (received and sent).
 
 Every input must end in a normal return or the project's one line (:class:`UserError`, the
 :class:`~ringtrain.data.images.ImageError` a folder turns into one, the parser's exit 2 with one
@@ -36,12 +38,13 @@ import time
 import zipfile
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import fuzz_seeds as seeds
 import numpy as np
 import pytest
 from conftest import one_error_line, requires_horovod, run
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from launch import cli
@@ -49,13 +52,20 @@ from ringtrain.data import dataset, images
 from ringtrain.data.dataset import FolderData
 from ringtrain.errors import UserError, printable
 from ringtrain.faults.watchdog import MAC_BYTES, Watchdog
+from ringtrain.strategies.pipeline.engine import Boundary, EvalRelay, run_step
+from ringtrain.strategies.pipeline.placement import Placement
+from ringtrain.strategies.pipeline.schedule import BACKWARD, FORWARD
+from ringtrain.strategies.ps import engine as ps
 from ringtrain.training import wire
 
 BOUND = 20.0  # seconds one input may take (the slowest here take ~0.1 s)
 TRIED: Counter = Counter()  # target -> inputs tried
 ENDINGS: Counter = Counter()  # (target, how it ended) -> inputs
-EXAMPLES = {"torch-checkpoint": 350, "tf-checkpoint": 250, "image": 450, "folder": 120,
-            "flags": 500, "datagram": 450, "rendezvous": 150}
+# The parameter servers' headers and the pipeline's boundaries (issue 5 and 6's targets, ~1 ms an
+# input) took their 200 inputs from the images' and flag lines' share: the total is unchanged.
+EXAMPLES = {"torch-checkpoint": 350, "tf-checkpoint": 250, "image": 350, "folder": 120,
+            "flags": 400, "datagram": 450, "rendezvous": 150, "ps-header": 120,
+            "pipeline-boundary": 80}
 FAILED_FLAG_LINES: list[list[str]] = []  # generated flag lines that ended in one line, for the CLI
 REFUSED_CHECKPOINTS: dict[str, bytes] = {}  # the first generated .pt of each refusal, for the CLI
 
@@ -506,6 +516,267 @@ def test_generated_heartbeat_datagrams(rank, datagrams):
             assert where is None or where == printable(where)
         line = dog.diagnose(time.monotonic())
         assert line == printable(line, 10**6), line
+
+
+# --- the parameter servers' headers and the pipeline's boundaries -------------------------------
+
+PS_WORKERS, PS_STEPS, PS_SIZE, PS_EPOCH = 2, 3, 7, 3
+PS_ANY = (st.integers(-3, 9) | st.sampled_from([ps.NONE, 2**31 - 1, -2**31, 255, 65536])
+          | st.integers(-2**31, 2**31 - 1))
+
+
+def ps_server(servers: int, index: int, staleness: int | None) -> ps.Server:
+    from test_ps import Net
+
+    cfg = ps.Config(ps.Roles(servers, servers + PS_WORKERS), PS_SIZE, staleness, 0.5, "torch",
+                    PS_STEPS, lambda epoch, t: 0.25 if 0 <= t < PS_STEPS else float("nan"),
+                    deadline=1.0, tick=0.01)
+    server = ps.Server(cfg, Net().link(index), index, np.zeros(cfg.length(index), np.float32))
+    server.begin_epoch(PS_EPOCH)
+    return server
+
+
+def ps_refused(err: ps.BadMessage, peer: str) -> None:
+    line = str(err)
+    assert line == printable(line, 10**6) and f"from {peer}:" in line and "expected" in line, line
+    ENDINGS["ps-header", "one line"] += 1
+
+
+@st.composite
+def ps_message(draw, valid: dict[str, int], length: int, room: int, push: int | None = None):
+    """A header and a length: the valid ones (as far as the sequence so far makes one) in about
+    half the messages, else with one fault: the length (the header's alone, none, anything up to
+    the buffer: MPI refuses a longer one in the transport, tests/test_ps.py), one field or several
+    fields anything.  ``length``: a message's valid length (``push``: a PUSH's, where other)."""
+    fields = dict(valid)
+    fault = draw(st.sampled_from(["none", "none", "none", "length", "field", "fields"]))
+    if fault == "field":
+        fields[draw(st.sampled_from(sorted(fields)))] = draw(PS_ANY)
+    elif fault == "fields":
+        fields = {name: draw(PS_ANY) if draw(st.booleans()) else value
+                  for name, value in fields.items()}
+    count = push if push is not None and fields["kind"] == ps.PUSH else length
+    if fault == "length":
+        count = draw(st.sampled_from([ps.HEADER, -1, count - 1, count + 1]) | st.integers(0, room))
+        count = min(count, room)
+    return fields, count
+
+
+def ps_worker_messages(draw, server: ps.Server) -> None:
+    """Up to 6 messages from workers (and, on a server but 0, server 0's DEAD notices), each
+    accepted exactly when the protocol allows it; a refused one is one line and changes nothing."""
+    cfg, workers = server.cfg, PS_WORKERS
+    pushes, finals = [0] * workers, set()
+    for _ in range(draw(st.integers(1, 6))):
+        ctrl = server.index != 0 and draw(st.integers(0, 4)) == 0
+        live = [w for w in range(workers) if server.recvs[w] is not None]
+        if not ctrl and not live:
+            return
+        if ctrl:
+            h = ps.header(server.ctrl_buf)
+            fields, count = draw(ps_message({"kind": ps.DEAD, "owner": draw(st.integers(0, workers - 1))},
+                                            ps.HEADER, ps.HEADER))
+            h[ps.KIND], h[ps.OWNER] = fields["kind"], fields["owner"]
+            ok = count == ps.HEADER and fields["kind"] == ps.DEAD and 0 <= fields["owner"] < workers
+            peer, index = "server rank 0", workers
+        else:
+            w = draw(st.sampled_from(live))
+            kind = draw(st.sampled_from([ps.PULL, ps.PUSH, ps.PUSH, ps.FINAL]))
+            clock = {ps.PULL: 0, ps.PUSH: pushes[w] + 1, ps.FINAL: pushes[w]}[kind]
+            buf = server.inbox[w]
+            fields, count = draw(ps_message(
+                {"kind": kind, "epoch": PS_EPOCH, "clock": clock,
+                 "owner": draw(st.integers(0, workers - 1)), "t": draw(st.integers(0, PS_STEPS - 1)),
+                 "version": draw(st.integers(0, server.books.updates))},
+                ps.HEADER, len(buf), push=len(buf)))
+            length = len(buf) if fields["kind"] == ps.PUSH else ps.HEADER
+            msg = np.zeros(len(buf), np.float32)
+            h = ps.header(msg)
+            for name, slot in (("kind", ps.KIND), ("epoch", ps.EPOCH), ("clock", ps.CLOCK),
+                               ("owner", ps.OWNER), ("t", ps.T), ("version", ps.VERSION)):
+                h[slot] = fields[name]
+            msg[ps.HEADER:] = draw(st.sampled_from([1.0, -2.0, 0.5, float("nan"), 1e30]))
+            buf[:max(count, 0)] = msg[:max(count, 0)]
+            k, c = fields["kind"], fields["clock"]
+            ok = (count == length and k in (ps.PULL, ps.PUSH, ps.FINAL)
+                  and fields["epoch"] == PS_EPOCH and w not in finals
+                  and (k != ps.PULL or (c == 0 and pushes[w] == 0))
+                  and (k != ps.FINAL or c == pushes[w])
+                  and (k != ps.PUSH or (c == pushes[w] + 1 and 0 <= fields["owner"] < workers
+                                        and 0 <= fields["t"] < PS_STEPS
+                                        and 0 <= fields["version"] <= server.books.updates)))
+            peer, index = f"worker rank {cfg.roles.worker_rank(w)}", w
+        before = (server.weights.copy(), list(server.books.applied), server.books.updates)
+        try:
+            server.handle(index, count)
+        except ps.BadMessage as err:
+            assert not ok, f"a valid message refused: {err}"
+            ps_refused(err, peer)
+            assert np.array_equal(server.weights, before[0], equal_nan=True)
+            assert (server.books.applied, server.books.updates) == (before[1], before[2])
+            return
+        assert ok, "a message the protocol does not allow was accepted"
+        ENDINGS["ps-header", "accepted"] += 1
+        if not ctrl:
+            pushes[w] += k == ps.PUSH
+            if k == ps.FINAL:
+                finals.add(w)
+
+
+def ps_reply(draw, servers: int) -> None:
+    """One reply to a worker from a server (server 0's names its next batch, or none)."""
+    cfg = ps.Config(ps.Roles(servers, servers + PS_WORKERS), PS_SIZE, None, 0.0, "torch", PS_STEPS,
+                    lambda epoch, t: 0.1)
+    from test_ps import Net
+
+    worker = ps.Worker(cfg, Net().link(servers), 0)
+    s = draw(st.integers(0, servers - 1))
+    worker.versions[s] = last = draw(st.integers(0, 3))
+    none = draw(st.booleans())
+    buf = worker.inbox[s]
+    fields, count = draw(ps_message(
+        {"kind": ps.WEIGHTS, "epoch": PS_EPOCH, "version": last + draw(st.integers(0, 2)),
+         "flags": draw(st.sampled_from([0, ps.STOP])),
+         "owner": ps.NONE if none else draw(st.integers(0, PS_WORKERS - 1)),
+         "t": ps.NONE if none else draw(st.integers(0, PS_STEPS - 1))},
+        len(buf), len(buf)))
+    h = ps.header(buf)
+    for name, slot in (("kind", ps.KIND), ("epoch", ps.EPOCH), ("version", ps.VERSION),
+                       ("flags", ps.FLAGS), ("owner", ps.OWNER), ("t", ps.T)):
+        h[slot] = fields[name]
+    owner, t = fields["owner"], fields["t"]
+    ok = (count == len(buf) and fields["kind"] == ps.WEIGHTS and fields["epoch"] == PS_EPOCH
+          and fields["version"] >= last and fields["flags"] in (0, ps.STOP)
+          and (s != 0 or (owner, t) == (ps.NONE, ps.NONE)
+               or (0 <= owner < PS_WORKERS and 0 <= t < PS_STEPS)))
+    try:
+        worker.check_reply(s, count, PS_EPOCH)
+    except ps.BadMessage as err:
+        assert not ok, f"a valid reply refused: {err}"
+        ps_refused(err, f"server rank {s}")
+        return
+    assert ok, "a reply the protocol does not allow was accepted"
+    ENDINGS["ps-header", "accepted"] += 1
+
+
+@campaign("ps-header")
+@given(data=st.data(), servers=st.sampled_from([1, 2]), staleness=st.sampled_from([0, 1, None]),
+       side=st.sampled_from(["server", "server", "reply"]))
+@example(data=None, servers=1, staleness=None, side="header-only push")
+@example(data=None, servers=2, staleness=None, side="dead -1")
+@example(data=None, servers=2, staleness=None, side="dead 7")
+def test_generated_parameter_server_headers(data, servers, staleness, side):
+    """Messages to a server (a worker's PULL, PUSH and FINAL, server 0's DEAD notice) and replies
+    to a worker, with generated lengths and header fields: each is accepted exactly when the
+    protocol allows it, else refused in one line naming the peer, with nothing applied.  The
+    examples are issue 5's reproductions."""
+    with bounded("ps-header"):
+        if data is None:  # the issue's reproductions, by hand
+            server = ps_server(servers, servers - 1, staleness)
+            if side == "header-only push":
+                h = ps.header(server.inbox[0])
+                h[ps.KIND], h[ps.EPOCH], h[ps.CLOCK] = ps.PUSH, PS_EPOCH, 1
+                server.inbox[0][ps.HEADER:] = 1.0  # the previous gradient, still in the buffer
+                where, count, peer = 0, ps.HEADER, f"worker rank {servers}"
+            else:
+                h = ps.header(server.ctrl_buf)
+                h[ps.KIND], h[ps.OWNER] = ps.DEAD, -1 if side == "dead -1" else 7
+                where, count, peer = PS_WORKERS, ps.HEADER, "server rank 0"
+            with pytest.raises(ps.BadMessage) as err:
+                server.handle(where, count)
+            ps_refused(err.value, peer)
+            assert not server.weights.any() and not server.dead
+            return
+        if side == "reply":
+            ps_reply(data.draw, servers)
+        else:
+            ps_worker_messages(data.draw, ps_server(servers, data.draw(st.integers(0, servers - 1)),
+                                                    staleness))
+
+
+class Ended(Exception):
+    """watchdog.end_job's line, where the job would have ended."""
+
+
+def end_job(line: str) -> None:
+    raise Ended(line)
+
+
+DTYPES = [np.float32, np.float64, np.float16, np.int32]
+
+
+@st.composite
+def cut_and_output(draw):
+    """A boundary, a micro-batch's rows, and an array: the boundary's, or one changed in shape
+    (a dimension off, one more or fewer, transposed) and/or dtype."""
+    shape = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    dtype, rows = draw(st.sampled_from(DTYPES)), draw(st.integers(1, 4))
+    out_shape = [rows, *shape]
+    change = draw(st.sampled_from(["none", "none", "dim", "more", "fewer", "transpose"]))
+    if change == "dim":
+        at = draw(st.integers(0, len(out_shape) - 1))
+        out_shape[at] = draw(st.integers(0, 6))
+    elif change == "more":
+        out_shape.insert(draw(st.integers(0, len(out_shape))), draw(st.integers(1, 3)))
+    elif change == "fewer":
+        out_shape.pop(draw(st.integers(0, len(out_shape) - 1)))
+    elif change == "transpose":
+        out_shape.reverse()
+    out_dtype = dtype if draw(st.booleans()) else draw(st.sampled_from(DTYPES))
+    return Boundary(shape, np.dtype(dtype)), rows, np.zeros(out_shape, out_dtype)
+
+
+@campaign("pipeline-boundary")
+@given(case=cut_and_output(), path=st.sampled_from(["receive", "forward", "backward", "eval"]),
+       got=st.sampled_from(["whole", "whole", "truncated"]) | st.integers(0, 400))
+def test_generated_pipeline_boundaries(case, path, got):
+    """What crosses a pipeline's cut: a received message of generated length (the transport, on
+    a stand-in for MPI), or a stage's generated output (a forward, a backward, a test batch): it
+    is used or sent exactly when it fills the boundary's shape and dtype, else the job ends in
+    one line naming the peer, and nothing is sent."""
+    from test_pipeline_core import FakeComm, FakeMPI, Outbox, Returns
+
+    from ringtrain.faults import watchdog as dog
+    from ringtrain.strategies.pipeline import transport
+
+    cut, rows, out = case
+    want = cut.rows(rows)
+    with bounded("pipeline-boundary"), mock.patch.object(dog, "end_job", end_job):
+        try:
+            if path == "receive":
+                nbytes = int(np.prod(want)) * cut.dtype.itemsize
+                got = {"whole": nbytes, "truncated": FakeMPI.Exception(FakeMPI.ERR_TRUNCATE)}.get(got, got)
+                ok, peer = got == nbytes, "from rank 0"
+                mpi = FakeMPI(got)
+                with mock.patch.object(transport, "mpi", lambda: mpi):
+                    link = transport.Link(FakeComm(mpi), rank=1, timeout=5.0)
+                    incoming = link.post(want, cut.dtype, 0, 4, "stage 0's activations")
+                    assert link.wait(incoming) is incoming.buffer
+            else:
+                ok = out.shape == want and out.dtype == cut.dtype
+                link = Outbox([np.zeros(want, cut.dtype)])
+                if path == "forward":
+                    peer = "stage 1, rank 1"
+                    run_step(Placement(2, 2, 0), link, Returns(forward=out), [(FORWARD, 0)], [rows],
+                             None, cut)
+                elif path == "backward":
+                    peer = "stage 0, rank 0"
+                    run_step(Placement(2, 2, 1), link, Returns(backward=out),
+                             [(FORWARD, 0), (BACKWARD, 0)], [rows], cut, None)
+                else:
+                    peer = "stage 1, rank 1"
+                    EvalRelay(Placement(2, 2, 0), link, None, cut)(lambda x: out, None, rows, np.asarray)
+                assert len(link.sent) == 1 and link.sent[0][0] is out
+        except Ended as line:
+            assert not ok, f"a valid message refused: {line}"
+            text = str(line)
+            assert text == printable(text, 10**6) and peer in text and "expected" in text, text
+            if path != "receive":
+                assert link.sent == []
+            ENDINGS["pipeline-boundary", "one line"] += 1
+            return
+        assert ok, "a message that does not fill its boundary was used"
+        ENDINGS["pipeline-boundary", "accepted"] += 1
 
 
 @pytest.fixture(scope="module")

@@ -359,3 +359,163 @@ def test_a_stage_without_checkpoints_starts_every_stage_afresh():
     got = resume_on_ranks({0: 2, 1: 0})
     assert [epoch for epoch, _ in got] == [0] * 4 and all(loads == [] for _, loads in got)
     assert [epoch for epoch, _ in resume_on_ranks({0: 2, 1: 2}, resume=False)] == [0] * 4
+
+
+# --- what crosses a cut is checked against its boundary ---------------------------------------------
+
+class Ended(Exception):
+    """watchdog.end_job's line, raised where the job would have ended (exit 3)."""
+
+
+@pytest.fixture
+def ended(monkeypatch):
+    from ringtrain.faults import watchdog
+
+    def end_job(line):
+        assert "\n" not in line, line
+        raise Ended(line)
+
+    monkeypatch.setattr(watchdog, "end_job", end_job)
+
+
+class FakeMPI:
+    """What the pipeline's transport uses of mpi4py's ``MPI``: a receive completes with
+    ``got`` bytes (an exception: with that MPI error)."""
+
+    BYTE, ERR_TRUNCATE, ERR_OTHER = "byte", 15, 16
+
+    class Exception(Exception):  # noqa: N818 - mpi4py's name
+        def __init__(self, error_class):
+            self.error_class = error_class
+
+        def Get_error_class(self):  # noqa: N802
+            return self.error_class
+
+    def __init__(self, got):
+        mpi = self
+
+        class Status:
+            def __init__(self):
+                self.count = None
+
+            def Get_count(self, datatype):  # noqa: N802
+                assert datatype == mpi.BYTE
+                return self.count
+
+        class Request:
+            def Test(self, status=None):  # noqa: N802
+                if isinstance(got, BaseException):
+                    raise got
+                if status is not None:
+                    status.count = got
+                return True
+
+        self.Status, self.request = Status, Request()
+
+
+class FakeComm:
+    def __init__(self, mpi):
+        self.mpi, self.posted = mpi, []
+
+    def Irecv(self, buffer, source, tag):  # noqa: N802
+        self.posted.append(buffer)
+        return self.mpi.request
+
+
+def short_message(monkeypatch, got):
+    from ringtrain.strategies.pipeline import transport
+
+    mpi = FakeMPI(got)
+    monkeypatch.setattr(transport, "mpi", lambda: mpi)
+    link = transport.Link(FakeComm(mpi), rank=1, timeout=5.0)
+    return link, link.post((32, 128), np.float32, 0, 4, "stage 0's activations of micro-batch 3")
+
+
+def test_a_short_pipeline_message_does_not_fill_its_buffer(monkeypatch, ended):
+    """Issue 6: a 512-byte message completed a 16 KiB receive whose tail was leftover heap
+    memory, used as activations."""
+    link, incoming = short_message(monkeypatch, 512)
+    with pytest.raises(Ended) as line:
+        link.wait(incoming)
+    assert ("rank 1 refused stage 0's activations of micro-batch 3 from rank 0: 512 bytes, "
+            "expected 16384 bytes (shape (32, 128) of float32") in str(line.value)
+
+
+def test_a_pipeline_message_longer_than_its_buffer_is_refused(monkeypatch, ended):
+    link, incoming = short_message(monkeypatch, FakeMPI.Exception(FakeMPI.ERR_TRUNCATE))
+    with pytest.raises(Ended) as line:
+        link.wait(incoming)
+    assert "from rank 0: longer than its buffer (MPI_ERR_TRUNCATE)" in str(line.value)
+    link, incoming = short_message(monkeypatch, FakeMPI.Exception(FakeMPI.ERR_OTHER))
+    with pytest.raises(FakeMPI.Exception):  # any other MPI error is MPI's to report
+        link.wait(incoming)
+
+
+def test_a_whole_pipeline_message_is_the_received_array(monkeypatch, ended):
+    link, incoming = short_message(monkeypatch, 32 * 128 * 4)
+    assert link.wait(incoming) is incoming.buffer
+
+
+class Outbox(FakeLink):
+    """A :class:`FakeLink` whose waits return ``inputs`` and whose sends are recorded."""
+
+    def __init__(self, inputs):
+        super().__init__(Wire(), 0)
+        self.inputs, self.sent = inputs, []
+
+    def wait(self, incoming):
+        shape, dtype, _, _ = incoming
+        return self.inputs.pop(0) if self.inputs else np.zeros(shape, dtype)
+
+    def send(self, array, dest, tag):
+        self.sent.append((array, dest, tag))
+
+
+class Returns:
+    """A stage whose forward and backward return the given arrays."""
+
+    def __init__(self, forward=None, backward=None):
+        self.out = {FORWARD: forward, BACKWARD: backward}
+
+    def forward(self, m, x):
+        return self.out[FORWARD]
+
+    def backward(self, m, grad):
+        return self.out[BACKWARD]
+
+
+@pytest.mark.parametrize("wrong,says", [
+    (np.zeros((2, 5), np.float32), "shape (2, 5) of float32"),
+    (np.zeros((2, 4), np.float64), "shape (2, 4) of float64"),
+    (np.zeros((4, 2), np.float32), "shape (4, 2) of float32"),
+    ([[0.0] * 4] * 2, "a list")])
+def test_a_stage_output_of_the_wrong_shape_or_dtype_is_not_sent(wrong, says, ended):
+    """Issue 6: outputs were sent without being checked against the boundary's shape and dtype."""
+    cut = Boundary((4,), np.float32)
+    link = Outbox([])
+    with pytest.raises(Ended) as line:
+        run_step(Placement(3, 3, 0), link, Returns(forward=wrong), [(FORWARD, 0)], [2], None, cut)
+    assert (f"stage 0 (rank 0) computed the activations of micro-batch 0 as {says}, expected "
+            f"shape (2, 4) of float32 (the boundary to stage 1, rank 1)") in str(line.value)
+    assert link.sent == []
+
+
+def test_a_gradient_of_the_wrong_dtype_is_not_sent_back(ended):
+    cut = Boundary((3,), np.float32)
+    link = Outbox([])
+    work = Returns(backward=np.zeros((2, 3), np.float16))
+    with pytest.raises(Ended) as line:
+        run_step(Placement(3, 3, 2), link, work, [(FORWARD, 0), (BACKWARD, 0)], [2], cut, None)
+    assert ("stage 2 (rank 2) computed the input's gradients of micro-batch 0 as shape (2, 3) of "
+            "float16, expected shape (2, 3) of float32 (the boundary to stage 1, rank 1)") in str(line.value)
+    assert link.sent == []
+
+
+def test_test_activations_of_the_wrong_shape_are_not_sent(ended):
+    cut = Boundary((2,), np.float64)
+    link = Outbox([])
+    relay = EvalRelay(Placement(2, 2, 0), link, None, cut)
+    with pytest.raises(Ended) as line:
+        relay(lambda x: np.zeros((3, 3)), np.zeros((3, 2)), 3, np.asarray)
+    assert "computed test activations as shape (3, 3) of float64, expected shape (3, 2)" in str(line.value)
+    assert link.sent == []

@@ -453,3 +453,220 @@ def test_non_finite_weights_stop_every_worker_at_that_step():
     job = Job(1, 2, 0, size=4, steps=10, grad=grad).run().check()
     assert job.servers[0].diverged[:2] == (1, 3)  # epoch 1, step 3 (from 1)
     assert max(t for _, _, t in job.trained) == 2  # nobody trained past the step
+
+
+# --- peers' messages are checked before use ----------------------------------------------------------
+
+def arrive(server: ps.Server, w: int, count: int, kind: int = ps.PUSH, clock: int = 1,
+           owner: int | None = None, t: int = 0, version: int = 0, epoch: int | None = None,
+           payload: float = 1.0) -> None:
+    """A message of ``count`` values from worker ``w`` completes the server's receive: the
+    transport wrote ``count`` values into its buffer, the rest is what the last message left."""
+    msg = np.zeros(ps.HEADER, np.float32)
+    h = ps.header(msg)
+    h[ps.KIND], h[ps.EPOCH], h[ps.CLOCK], h[ps.T], h[ps.VERSION] = \
+        kind, server.epoch if epoch is None else epoch, clock, t, version
+    h[ps.OWNER] = w if owner is None else owner
+    msg = np.concatenate([msg, np.full(len(server.inbox[w]) - ps.HEADER, payload, np.float32)])
+    server.inbox[w][:count] = msg[:count]
+    server.handle(w, count)
+
+
+def one_line_naming(err: BaseException, peer: str) -> str:
+    line = str(err)
+    assert "\n" not in line and peer in line and "the job ends" in line, line
+    return line
+
+
+def a_server(staleness: int | None, servers: int = 1, index: int = 0, workers: int = 2,
+             steps: int = 4) -> tuple[Net, ps.Server]:
+    net = Net()
+    cfg = ps.Config(ps.Roles(servers, servers + workers), 6, staleness, 0.0, "torch", steps,
+                    lambda e, t: 0.5 if t >= 0 else 100.0)
+    server = ps.Server(cfg, net.link(index), index, np.zeros(cfg.length(index), np.float32))
+    server.begin_epoch(1)
+    return net, server
+
+
+@pytest.mark.parametrize("staleness", [0, None])
+def test_a_push_of_only_the_header_is_refused_not_applied_again(staleness):
+    """Issue 5: a PUSH of the 8-value header alone was accepted and the previous gradient, still
+    in the buffer, applied a second time."""
+    net, server = a_server(staleness, workers=1)
+    arrive(server, 0, len(server.inbox[0]), clock=1, t=0)
+    after_one = server.weights.copy()
+    assert server.books.applied == [1] and after_one.any()
+    replied(net, server)
+    with pytest.raises(ps.BadMessage) as err:
+        arrive(server, 0, ps.HEADER, clock=2, t=1, version=1)
+    line = one_line_naming(err.value, "worker rank 1")
+    assert "a PUSH of 8 values" in line and "expected 14" in line
+    assert np.array_equal(server.weights, after_one) and server.books.applied == [1]
+    assert replied(net, server) == []
+
+
+@pytest.mark.parametrize("owner", [-1, 7])
+def test_a_dead_notice_naming_no_worker_is_refused(owner):
+    """Issue 5: server 0's DEAD notice naming worker -1 dropped worker 1's receive (Python's
+    negative index); naming worker 7 of 2 raised IndexError."""
+    _, server = a_server(None, servers=2, index=1)
+    h = ps.header(server.ctrl_buf)
+    h[ps.KIND], h[ps.EPOCH], h[ps.OWNER] = ps.DEAD, 1, owner
+    posted = list(server.recvs)
+    with pytest.raises(ps.BadMessage) as err:
+        server.handle(server.cfg.roles.workers, ps.HEADER)
+    line = one_line_naming(err.value, "server rank 0")
+    assert f"naming worker {owner}" in line and "a worker 0..1" in line
+    assert server.dead == set() and server.recvs == posted and all(r is not None for r in posted)
+
+
+@pytest.mark.parametrize("owner,t", [(0, -1), (1, -3), (0, 4), (2, 0), (-1, 0)])
+def test_a_push_naming_a_batch_out_of_range_is_refused(owner, t):
+    """Issue 5: a negative step index picked another step's LR (and, on a worker, another batch)."""
+    _, server = a_server(None)
+    with pytest.raises(ps.BadMessage) as err:
+        arrive(server, 1, len(server.inbox[1]), clock=1, owner=owner, t=t)
+    line = one_line_naming(err.value, "worker rank 2")
+    assert f"batch {t} of worker {owner}" in line
+    assert not server.weights.any() and server.books.applied == [0, 0]
+
+
+@pytest.mark.parametrize("fields,says", [
+    ({"kind": 9}, "kind 9"), ({"epoch": 2}, "epoch 2"), ({"clock": 3}, "clock 3"),
+    ({"version": 5}, "version 5"), ({"version": -1}, "version -1"), ({"count": 3}, "3 values"),
+    ({"count": -1}, "no whole number"), ({"kind": ps.PULL, "count": 14}, "a PULL of 14 values"),
+    ({"kind": ps.FINAL, "count": 8, "clock": 2}, "a FINAL at clock 2")])
+def test_every_other_header_field_of_a_workers_message_is_checked(fields, says):
+    _, server = a_server(1)
+    count = fields.pop("count", len(server.inbox[0]))
+    with pytest.raises(ps.BadMessage) as err:
+        arrive(server, 0, count, **fields)
+    assert says in one_line_naming(err.value, "worker rank 1")
+    assert not server.weights.any() and server.books.applied == [0, 0]
+
+
+def replies(net: Net, worker_rank: int, *messages: tuple[int, np.ndarray]) -> None:
+    """Messages already on their way to a worker, from the given servers."""
+    for s, msg in messages:
+        net.queues[(s, worker_rank, ps.TAG_DOWN)].append(msg)
+
+
+def reply(cfg: ps.Config, s: int, owner: int, t: int, epoch: int = 1, length: int | None = None,
+          kind: int = ps.WEIGHTS) -> np.ndarray:
+    msg = np.zeros(ps.HEADER + cfg.length(s), np.float32)
+    h = ps.header(msg)
+    h[ps.KIND], h[ps.EPOCH], h[ps.OWNER], h[ps.T] = kind, epoch, owner, t
+    return msg if length is None else msg[:length]
+
+
+@pytest.mark.parametrize("owner,t,length,says", [
+    (1, -1, None, "batch -1 of worker 1"), (7, 0, None, "batch 0 of worker 7"),
+    (1, 4, None, "batch 4 of worker 1"), (0, 0, ps.HEADER, "a reply of 8 values"),
+    (0, 2, None, "its own batch 2")])
+def test_a_worker_refuses_a_reply_that_hands_it_no_batch_of_the_epoch(owner, t, length, says):
+    """Server 0's reply names the batch a worker trains next: a negative step index picked another
+    batch (Python's negative index), a worker out of range another shard; a short reply left the
+    last weights in the buffer.  Refused before any batch is fetched or any weight used."""
+    net = Net()
+    cfg = ps.Config(ps.Roles(2, 4), 6, None, 0.0, "torch", 4, lambda e, t: 0.1, deadline=0.5,
+                    tick=0.02)
+    worker = ps.Worker(cfg, net.link(2), 0)
+    replies(net, 2, (0, reply(cfg, 0, owner, t, length=length)), (1, reply(cfg, 1, ps.NONE, ps.NONE)))
+    used = []
+    with pytest.raises(ps.BadMessage) as err:
+        worker.work_epoch(1, iter(["own"] * 4), lambda o, b: used.append(("fetch", o, b)),
+                          lambda weights: used.append("use"), lambda batch: (np.zeros(6), 0.0))
+    assert says in one_line_naming(err.value, "server rank 0")
+    assert used == [] and worker.books.pushed == 0
+
+
+def test_a_reply_of_another_kind_or_epoch_from_any_server_is_refused():
+    net = Net()
+    cfg = ps.Config(ps.Roles(2, 3), 6, None, 0.0, "torch", 4, lambda e, t: 0.1, deadline=0.5)
+    worker = ps.Worker(cfg, net.link(2), 0)
+    replies(net, 2, (0, reply(cfg, 0, 0, 0)), (1, reply(cfg, 1, ps.NONE, ps.NONE, epoch=3)))
+    with pytest.raises(ps.BadMessage) as err:
+        worker.work_epoch(1, iter([]), None, None, None)
+    assert "epoch 3" in one_line_naming(err.value, "server rank 1")
+    assert not worker.weights.any()
+
+
+@pytest.mark.parametrize("dead,says", [([-1.0], "workers [-1.0]"), ([2.0], "workers [2.0]"),
+                                      ([0.5], "workers [0.5]")])
+def test_a_verdict_naming_no_worker_is_refused(dead, says):
+    net = Net()
+    cfg = ps.Config(ps.Roles(1, 3), 6, None, 0.0, "torch", 4, lambda e, t: 0.1, deadline=0.5)
+    msg = np.zeros(ps.HEADER + 2, np.float32)
+    ps.header(msg)[ps.CLOCK] = len(dead)
+    msg[ps.HEADER:ps.HEADER + len(dead)] = dead
+    net.queues[(0, 1, ps.TAG_VERDICT)].append(msg)
+    with pytest.raises(ps.BadMessage) as err:
+        ps.Worker(cfg, net.link(1), 0).verdict()
+    assert says in one_line_naming(err.value, "server rank 0")
+
+
+class FakeMPI:
+    """What :class:`ringtrain.strategies.ps.transport.MpiLink` uses of mpi4py's ``MPI``, with
+    one receive that completes as ``outcome`` says."""
+
+    UNDEFINED, ERR_TRUNCATE, FLOAT = -32766, 15, "float"
+
+    class Exception(Exception):  # noqa: N818 - mpi4py's name
+        def __init__(self, error_class: int) -> None:
+            self.error_class = error_class
+
+        def Get_error_class(self) -> int:  # noqa: N802 - mpi4py's name
+            return self.error_class
+
+    def __init__(self, outcome) -> None:
+        mpi, self.outcome = self, outcome
+
+        class Status:
+            def Get_count(self, datatype):  # noqa: N802
+                return mpi.outcome
+
+            def Get_source(self):  # noqa: N802
+                return 3
+
+            def Get_tag(self):  # noqa: N802
+                return ps.TAG_UP
+
+        class Request:
+            @staticmethod
+            def Testany(requests, status):  # noqa: N802
+                if isinstance(mpi.outcome, BaseException):
+                    raise mpi.outcome
+                return 0, True
+
+        self.Status, self.Request = Status, Request
+
+
+class FakeComm:
+    def Get_rank(self) -> int:  # noqa: N802
+        return 0
+
+
+@pytest.mark.parametrize("outcome,want", [(14, 14), (FakeMPI.UNDEFINED, -1),
+                                          (FakeMPI.Exception(FakeMPI.ERR_TRUNCATE), None)])
+def test_the_mpi_link_reports_what_a_receive_got_and_refuses_a_truncated_one(outcome, want):
+    """The count comes from the completed request's MPI.Status; a message that is no whole
+    number of float32 values is -1 (refused by the engine), one longer than its receive is
+    refused here, naming its sender."""
+    from ringtrain.strategies.ps.transport import MpiLink
+
+    link = MpiLink(FakeComm(), FakeMPI(outcome))
+    if want is not None:
+        assert link.wait_any([object()], 1.0) == (0, want)
+        return
+    with pytest.raises(ps.BadMessage) as err:
+        link.wait_any([object()], 1.0)
+    assert "MPI_ERR_TRUNCATE" in one_line_naming(err.value, "rank 3")
+
+
+def test_a_refused_message_is_the_runs_one_line():
+    """The run ends the job with the refusal's own line (watchdog.end_job, exit 3), where a
+    silent peer gets the silent peer's line."""
+    from ringtrain.strategies.ps.run import ParameterServerRun
+
+    line = "server rank 0 refused a message from worker rank 2: x, expected y; ... the job ends"
+    assert ParameterServerRun._silent_line(None, ps.BadMessage(line)) == line

@@ -9,6 +9,11 @@ pass and sends the gradient of the input back (stage 0 has none to send).  Messa
 their tag, steps by MPI's order of messages between two ranks (a step's messages are all taken
 before the next step posts any).  Test batches all carry one tag: they are sent and taken in the
 same order, and MPI keeps the order of messages between two ranks with one tag.
+
+What a stage sends must be what the cut says: an output (or the gradient of an input) whose
+shape or dtype differs from its boundary's ends the job in one line naming the stage, the
+message and the peer it was for, before it is sent (:func:`check_output`); what a stage
+receives is checked by the transport against the same boundary (its byte count).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ringtrain.faults import watchdog
 from ringtrain.strategies.pipeline.placement import Placement
 from ringtrain.strategies.pipeline.schedule import BACKWARD, FORWARD, Op
 
@@ -44,6 +50,21 @@ class Boundary:
 
     def rows(self, n: int) -> tuple[int, ...]:
         return (n, *self.shape)
+
+
+def check_output(out: Any, boundary: Boundary, rows: int, place: Placement, what: str,
+                 dest: int, stage: int) -> None:
+    """``out``, this stage's ``what`` for ``stage`` (rank ``dest``), must be an array of the
+    boundary's shape for ``rows`` examples and of its dtype; else the job ends in one line,
+    nothing sent."""
+    want = boundary.rows(rows)
+    if isinstance(out, np.ndarray) and out.shape == want and out.dtype == boundary.dtype:
+        return
+    got = (f"shape {out.shape} of {out.dtype}" if isinstance(out, np.ndarray)
+           else f"a {type(out).__name__}")
+    watchdog.end_job(f"stage {place.stage} (rank {place.rank}) computed {what} as {got}, expected "
+                     f"shape {want} of {np.dtype(boundary.dtype)} (the boundary to stage {stage}, "
+                     f"rank {dest}); nothing was sent, so the job ends")
 
 
 class StageWork(Protocol):
@@ -113,16 +134,18 @@ def run_step(place: Placement, link: Link, work: StageWork, ops: Sequence[Op],
             outbound.rows(rows[m]), outbound.dtype, place.next, tag(GRADIENT, m),
             f"stage {place.stage + 1}'s gradients of micro-batch {m}"), window)
     # Each kind of op: where its input comes from, the maths, where its output goes, its tag.
-    lanes = {FORWARD: (acts, work.forward, place.next if outbound is not None else None, ACTIVATION),
+    lanes = {FORWARD: (acts, work.forward, place.next if outbound is not None else None, ACTIVATION,
+                       outbound, "the activations", place.stage + 1),
              BACKWARD: (grads, work.backward, place.previous if inbound is not None else None,
-                        GRADIENT)}
+                        GRADIENT, inbound, "the input's gradients", place.stage - 1)}
     for kind, m in ops:
-        incoming, compute, dest, kind_tag = lanes[kind]
+        incoming, compute, dest, kind_tag, cut, what, peer = lanes[kind]
         arg = incoming.take(m) if incoming is not None else None
         start = time.perf_counter()
         out = compute(m, arg)
         busy += time.perf_counter() - start
         if dest is not None:
+            check_output(out, cut, rows[m], place, f"{what} of micro-batch {m}", dest, peer)
             link.send(out, dest, tag(kind_tag, m))
     link.finish_sends(f"stage {place.stage}'s messages")
     return StepTime(time.perf_counter() - t0, busy)
@@ -149,7 +172,10 @@ class EvalRelay:
         out = stage(x)
         if self.outbound is None:
             return out
-        link.send(to_numpy(out), place.next, t)
+        out = to_numpy(out)
+        check_output(out, self.outbound, rows, place, "test activations", place.next,
+                     place.stage + 1)
+        link.send(out, place.next, t)
         return None
 
     def finish(self) -> None:

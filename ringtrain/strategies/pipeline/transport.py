@@ -18,6 +18,12 @@ them ahead); every wait polls its request with a short, growing pause (10 us up 
 waits for) and is bounded: past ``--stall-timeout`` (and the watchdog's grace) it ends the job
 with one line naming the peer, though the watchdog, which knows what this rank waits for
 (:func:`ringtrain.faults.watchdog.waiting`), normally speaks first.
+
+A completed receive counts only if it received the bytes of its whole buffer (the completed
+request's ``MPI.Status``, ``Get_count(MPI.BYTE)``): a shorter message, or one longer than the
+buffer (``MPI_ERR_TRUNCATE``), ends the job in one line naming the peer, the message and the
+boundary's shape and dtype, and the buffer (whose tail would be whatever the heap held) is never
+used.  One integer comparison per message.
 """
 
 from __future__ import annotations
@@ -76,8 +82,26 @@ class Link:
         return Incoming(buffer, self.comm.Irecv(buffer, source=source, tag=tag), source, what)
 
     def wait(self, incoming: Incoming) -> np.ndarray:
-        self._wait(incoming.request, incoming.what, incoming.source)
-        return incoming.buffer
+        """The received array, once its request has completed with all of its buffer's bytes."""
+        MPI, buffer = mpi(), incoming.buffer
+        status = MPI.Status()
+        try:
+            self._wait(incoming.request, incoming.what, incoming.source, status=status)
+        except MPI.Exception as err:
+            if err.Get_error_class() != MPI.ERR_TRUNCATE:
+                raise
+            self._refuse(incoming, "longer than its buffer (MPI_ERR_TRUNCATE)")
+        got = status.Get_count(MPI.BYTE)
+        if got != buffer.nbytes:
+            self._refuse(incoming, f"{got} bytes")
+        return buffer
+
+    def _refuse(self, incoming: Incoming, what: str) -> None:
+        buffer = incoming.buffer
+        watchdog.end_job(
+            f"rank {self.rank} refused {incoming.what} from rank {incoming.source}: {what}, expected "
+            f"{buffer.nbytes} bytes (shape {buffer.shape} of {buffer.dtype}, the boundary's); nothing "
+            f"of it was used, so the job ends")
 
     def send(self, array: np.ndarray, dest: int, tag: int) -> None:
         """Send without waiting; the buffer is kept until :meth:`finish_sends`."""
@@ -98,14 +122,15 @@ class Link:
         self._wait(self.comm.Iallreduce(send, out, op=mpi().SUM), what, None)
         return out
 
-    def _wait(self, request, what: str, peer: int | None, towards: str = "from") -> None:
-        if request.Test():
+    def _wait(self, request, what: str, peer: int | None, towards: str = "from",
+              status: Any = None) -> None:
+        if request.Test(status):
             return
         deadline = time.monotonic() + self.timeout + GRACE if self.timeout > 0 else None
         source = f" {towards} rank {peer}" if peer is not None else ""
         pause = 1e-5
         with watchdog.waiting(f"{what}{source}"):
-            while not request.Test():
+            while not request.Test(status):
                 if deadline is not None and time.monotonic() > deadline:
                     watchdog.end_job(
                         f"rank {self.rank} waited {self.timeout + GRACE:.0f} s for {what}{source} "

@@ -45,6 +45,13 @@ Every message is one float32 array: an 8-value header (:data:`HEADER`, read as i
 view, the step's loss as float32) and, for pushes and replies, the slice.  Nothing is pickled.
 The transport (:class:`Link`) is MPI point to point in a job (``ringtrain.strategies.ps.transport``) and
 threads of one process in the tests.
+
+No message is taken at its word: before anything of it is used, its length (the values the
+transport received) must be what its kind holds, its kind and epoch what this rank waits for,
+and every index in its header in range (a worker, a batch of the epoch, a clock that follows the
+worker's last one, a version the server has reached).  Anything else is :class:`BadMessage`:
+the job ends in one line naming the peer, the message and what was expected, and nothing of
+the message is applied.  A few integer comparisons per message; the slices are never scanned.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
@@ -71,6 +78,8 @@ STOP = 1
 # so a server sees a worker's pushes before its FINAL, and each reply before the next.
 TAG_UP, TAG_DOWN, TAG_PEER, TAG_CTRL, TAG_VERDICT = 11, 12, 13, 14, 15
 NONE = -1  # no batch assigned: the epoch's batches are all handed out
+KIND_NAMES = {PULL: "PULL", PUSH: "PUSH", FINAL: "FINAL", WEIGHTS: "WEIGHTS reply",
+              EXCHANGE: "EXCHANGE", DEAD: "DEAD notice"}
 
 
 def header(buf: np.ndarray) -> np.ndarray:
@@ -128,6 +137,35 @@ class Link(Protocol):
 
 class PeerSilent(Exception):
     """A peer this rank waits for has been silent past the engine's deadline."""
+
+
+class BadMessage(PeerSilent):
+    """A peer's message that breaks the protocol (its length, kind, epoch or an index out of
+    range), refused before anything of it is used.  Its text is the job's whole last line; it is
+    caught where a silent peer is (the peer failed this rank either way) and ends the job."""
+
+
+def values(count: int) -> str:
+    """``count`` values as a message's length (the transport's -1: not whole float32 values)."""
+    return f"{count} values" if count >= 0 else "a length that is no whole number of float32 values"
+
+
+def refuse(me: str, peer: str, what: str, expected: str) -> NoReturn:
+    raise BadMessage(f"{me} refused a message from {peer}: {what}, expected {expected}; nothing "
+                     f"of it was used, so the job ends")
+
+
+def check_batch(me: str, peer: str, h: np.ndarray, workers: int, steps: int, what: str,
+                none: bool = False) -> None:
+    """The (OWNER, T) of a header name a batch of the epoch: a worker's shard ``0 .. workers-1``
+    and a step ``0 .. steps-1`` (or, where ``none``, no batch: both :data:`NONE`)."""
+    owner, t = int(h[OWNER]), int(h[T])
+    if none and owner == NONE and t == NONE:
+        return
+    if not (0 <= owner < workers and 0 <= t < steps):
+        refuse(me, peer, f"a {what} naming batch {t} of worker {owner}",
+               f"a batch 0..{steps - 1} of a worker 0..{workers - 1}"
+               + (f" (or {NONE}, {NONE}: none)" if none else ""))
 
 
 # --- the servers' optimizer -----------------------------------------------------------------------
@@ -360,6 +398,7 @@ class Server:
         self.pending: dict[int, int] = {}  # worker -> the clock its reply waits for
         self.finals: set[int] = set()
         self.held: dict[int, tuple[int, int, int]] = {}  # K = 0: worker -> (owner, t, version)
+        self.pushes = [0] * self.cfg.roles.workers  # PUSHes accepted this epoch, per worker
 
     def epoch_done(self) -> bool:
         return set(self._live()) <= self.finals
@@ -368,21 +407,70 @@ class Server:
         """The message that completed receive ``i`` (a worker's, or at ``workers`` server 0's
         word that a worker is dead), then every reply that may now go."""
         if i == self.cfg.roles.workers:
-            self._dead(int(header(self.ctrl_buf)[OWNER]))
+            self._dead(self._check_dead(count))
             self.ctrl = self.link.irecv(0, TAG_CTRL, self.ctrl_buf)
         else:
             self._receive(i, count)
         self._answer()
 
+    def _check_dead(self, count: int) -> int:
+        """Server 0's word that a worker is dead: its worker index, once checked."""
+        me, h, workers = f"server rank {self.index}", header(self.ctrl_buf), self.cfg.roles.workers
+        if count != HEADER or int(h[KIND]) != DEAD:
+            refuse(me, "server rank 0", f"a control message of {values(count)} and kind "
+                   f"{int(h[KIND]) if count >= HEADER else '?'}",
+                   f"a DEAD notice ({HEADER} values, kind {DEAD})")
+        w = int(h[OWNER])
+        if not 0 <= w < workers:
+            refuse(me, "server rank 0", f"a DEAD notice naming worker {w}",
+                   f"a worker 0..{workers - 1} of the {workers}")
+        return w
+
+    def _check_up(self, w: int, count: int, h: np.ndarray) -> int:
+        """A worker's message, checked against its length and what this server knows of the
+        worker; its kind."""
+        cfg = self.cfg
+        me, peer = f"server rank {self.index}", f"worker rank {cfg.roles.worker_rank(w)}"
+        if count < HEADER:
+            refuse(me, peer, f"a message of {values(count)}", f"at least its {HEADER}-value header")
+        kind = int(h[KIND])
+        if kind not in (PULL, PUSH, FINAL):
+            refuse(me, peer, f"a message of kind {kind}",
+                   f"a PULL ({PULL}), PUSH ({PUSH}) or FINAL ({FINAL})")
+        want = HEADER + cfg.length(self.index) if kind == PUSH else HEADER
+        if count != want:
+            holds = (f"its {HEADER}-value header and this server's {want - HEADER} values of the "
+                     f"gradient" if kind == PUSH else "its header alone")
+            refuse(me, peer, f"a {KIND_NAMES[kind]} of {values(count)}", f"{want} ({holds})")
+        name = KIND_NAMES[kind]
+        epoch, clock = int(h[EPOCH]), int(h[CLOCK])
+        if epoch != self.epoch:
+            refuse(me, peer, f"a {name} of epoch {epoch}", f"epoch {self.epoch}, this server's")
+        if w in self.finals:
+            refuse(me, peer, f"a {name} after its FINAL of epoch {epoch}", "nothing more this epoch")
+        pushed = self.pushes[w]
+        if kind == PULL and (clock != 0 or pushed):
+            refuse(me, peer, f"a PULL at clock {clock} after {pushed} PUSHes this epoch",
+                   "a PULL only before its first PUSH of the epoch, at clock 0")
+        if kind == FINAL and clock != pushed:
+            refuse(me, peer, f"a FINAL at clock {clock}", f"clock {pushed}, the PUSHes it sent")
+        if kind == PUSH:
+            if clock != pushed + 1:
+                refuse(me, peer, f"a PUSH at clock {clock}",
+                       f"clock {pushed + 1}, the one after its last PUSH")
+            check_batch(me, peer, h, cfg.roles.workers, cfg.steps, "PUSH")
+            version = int(h[VERSION])
+            if not 0 <= version <= self.books.updates:
+                refuse(me, peer, f"a PUSH computed on version {version} of the weights",
+                       f"a version 0..{self.books.updates} this server has sent")
+        return kind
+
     def _receive(self, w: int, count: int) -> None:
         buf = self.inbox[w]
         h = header(buf)
-        kind = int(h[KIND])
+        kind = self._check_up(w, count, h)
         self.books.bytes_in += 4 * count
         self.recvs[w] = None
-        if int(h[EPOCH]) != self.epoch:
-            raise RuntimeError(f"server {self.index}: worker {w} sent epoch {int(h[EPOCH])} "
-                               f"during epoch {self.epoch}")
         if kind == PULL:
             self.pending[w] = 0
             self._post(w)
@@ -390,7 +478,8 @@ class Server:
             self.finals.add(w)
             self.clock.pop(w, None)  # done with this epoch: nobody waits for it
             self._post(w)
-        elif kind == PUSH:
+        else:  # PUSH
+            self.pushes[w] += 1
             self.books.received[w] += 1
             clock = int(h[CLOCK])
             self.pending[w] = clock
@@ -403,8 +492,6 @@ class Server:
             else:
                 self._apply_one(w, clock)
                 self._post(w)
-        else:
-            raise RuntimeError(f"server {self.index}: message kind {kind} from worker {w}")
 
     def _apply_one(self, w: int, clock: int) -> None:
         """K > 0: this gradient alone, at LR / N."""
@@ -546,7 +633,13 @@ class Server:
             buf = np.zeros(HEADER + cfg.length(s) * (2 if both else 1), np.float32)
             recvs.append((s, buf, self.link.irecv(s, TAG_PEER, buf)))
         for s, buf, req in recvs:
-            self._wait(req, f"server rank {s}")
+            got = self._wait(req, f"server rank {s}")
+            if got != len(buf) or int(header(buf)[KIND]) != EXCHANGE:
+                refuse(f"server rank {self.index}", f"server rank {s}",
+                       f"an exchange message of {values(got)} and kind "
+                       f"{int(header(buf)[KIND]) if got >= HEADER else '?'}",
+                       f"{len(buf)} values of kind {EXCHANGE} (its header, slice"
+                       f"{' and momentum' if len(buf) > HEADER + cfg.length(s) else ''})")
             n = cfg.length(s)
             full[cfg.slice(s)] = buf[HEADER:HEADER + n]
             if velocity is not None and len(buf) > HEADER + n:
@@ -569,8 +662,19 @@ def share_verdict(link: Link, rank: int, cfg: Config, dead: list[int],
         for req, r in [(link.isend(r, TAG_VERDICT, msg), r) for r in targets]:
             wait(req, f"{'server' if roles.serves(r) else 'worker'} rank {r}")
         return list(dead)
-    wait(link.irecv(0, TAG_VERDICT, msg), "server rank 0")
-    return [int(x) for x in msg[HEADER:HEADER + int(header(msg)[CLOCK])]]
+    got = wait(link.irecv(0, TAG_VERDICT, msg), "server rank 0")
+    me = f"{'server' if roles.serves(rank) else 'worker'} rank {rank}"
+    if got != len(msg):
+        refuse(me, "server rank 0", f"a verdict of {values(got)}",
+               f"{len(msg)} (its header and one value per worker)")
+    n = int(header(msg)[CLOCK])
+    if not 0 <= n <= roles.workers:
+        refuse(me, "server rank 0", f"a verdict of {n} dead workers", f"0..{roles.workers}")
+    dead = msg[HEADER:HEADER + n]
+    if not ((dead >= 0) & (dead < roles.workers) & (dead == np.floor(dead))).all():
+        refuse(me, "server rank 0", f"a verdict naming workers {dead.tolist()}",
+               f"worker indices 0..{roles.workers - 1}")
+    return [int(x) for x in dead]
 
 
 # --- a worker ---------------------------------------------------------------------------------
@@ -621,8 +725,9 @@ class Worker:
             sends.append(self.link.isend(s, TAG_UP, out if grad is not None else out[:HEADER]))
         t0 = time.monotonic()
         flags = 0
-        for s, req in enumerate(recvs):
-            self._wait(req, f"server rank {s}")
+        for s, req in enumerate(recvs):  # every reply checked before any is used
+            self.check_reply(s, self._wait(req, f"server rank {s}"), epoch)
+        for s in range(cfg.roles.servers):
             h = header(self.inbox[s])
             self.versions[s] = int(h[VERSION])
             flags |= int(h[FLAGS])
@@ -632,6 +737,26 @@ class Worker:
         self.books.wait_seconds += time.monotonic() - t0
         h0 = header(self.inbox[0])
         return (None if int(h0[OWNER]) == NONE else (int(h0[OWNER]), int(h0[T]))), flags
+
+    def check_reply(self, s: int, count: int, epoch: int) -> None:
+        """Server ``s``'s reply in ``self.inbox[s]``, ``count`` values long, checked before
+        anything of it is used (server 0's batch: any batch of the epoch, or none)."""
+        cfg, h = self.cfg, header(self.inbox[s])
+        me, peer = f"worker rank {self.rank}", f"server rank {s}"
+        want = HEADER + cfg.length(s)
+        if count != want:
+            refuse(me, peer, f"a reply of {values(count)}",
+                   f"{want} (its {HEADER}-value header and the server's {want - HEADER} weights)")
+        kind, got_epoch = int(h[KIND]), int(h[EPOCH])
+        if kind != WEIGHTS or got_epoch != epoch:
+            refuse(me, peer, f"a reply of kind {kind}, epoch {got_epoch}",
+                   f"kind {WEIGHTS} (WEIGHTS) of epoch {epoch}")
+        version, flags = int(h[VERSION]), int(h[FLAGS])
+        if version < self.versions[s] or flags & ~STOP:
+            refuse(me, peer, f"a reply of version {version}, flags {flags}",
+                   f"a version >= {self.versions[s]}, its last, and flags 0 or {STOP} (STOP)")
+        if s == 0:
+            check_batch(me, peer, h, cfg.roles.workers, cfg.steps, "reply", none=True)
 
     def work_epoch(self, epoch: int, own: Iterator[Any], fetch: Callable[[int, int], Any],
                    use: Callable[[np.ndarray], None],
@@ -645,7 +770,9 @@ class Worker:
             owner, t = batch
             if owner == self.index:
                 if t != expect:
-                    raise RuntimeError(f"worker {self.index}: own batch {t} assigned, {expect} next")
+                    refuse(f"worker rank {self.rank}", "server rank 0",
+                           f"a reply handing it its own batch {t}", f"its own batch {expect}, "
+                           f"the next in order")
                 data, expect = next(own), expect + 1
                 self.books.own += 1
             else:

@@ -318,6 +318,8 @@ class ParameterServerRun(FrameworkRun):
         self.lost = list(dead)
 
     def _silent_line(self, err: ps.PeerSilent) -> str:
+        if isinstance(err, ps.BadMessage):  # a peer's message refused: its line names them
+            return str(err)
         what = str(err)
         if what.startswith("server rank "):
             rank = int(what.split()[-1])

@@ -18,6 +18,9 @@ through :func:`world` over mpi4py: the same plain data in arrays as Horovod's, n
 
 Each wait polls (``Testany``) and sleeps between polls, from 50 us up to 1 ms: a busy wait would
 take a core from a worker on this 2-core machine, and a blocking ``Wait`` could not be bounded.
+The completed request's ``MPI.Status`` gives the values it received (``Get_count``), which the
+engine compares with what the message's kind holds; a message longer than its receive
+(``MPI_ERR_TRUNCATE``) is refused here, naming its sender.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import numpy as np
 
 from ringtrain.errors import UserError
 from ringtrain.runtime import uses_gloo
+from ringtrain.strategies.ps.engine import BadMessage
 from ringtrain.strategies.ps.options import PS_NEEDS_MPI
 from ringtrain.training.world import Collectives, World
 
@@ -70,15 +74,16 @@ def recovery_enabled(env: dict[str, str] | None = None) -> bool:
 
 class MpiLink:
     """:class:`ringtrain.strategies.ps.engine.Link` over a communicator: ``Isend``/``Irecv`` of float32
-    arrays, waits bounded by polling."""
+    arrays, waits bounded by polling.  ``mpi``: mpi4py's ``MPI`` module (a test's stand-in)."""
 
     POLL_MIN, POLL_MAX = 50e-6, 1e-3
 
-    def __init__(self, comm) -> None:
-        from mpi4py import MPI
+    def __init__(self, comm, mpi: Any = None) -> None:
+        if mpi is None:
+            from mpi4py import MPI as mpi
 
-        self.MPI, self.comm = MPI, comm
-        self.status = MPI.Status()
+        self.MPI, self.comm = mpi, comm
+        self.status = mpi.Status()
 
     def isend(self, dest: int, tag: int, buf: np.ndarray) -> Any:
         return self.comm.Isend([buf, self.MPI.FLOAT], dest=dest, tag=tag)
@@ -91,9 +96,20 @@ class MpiLink:
         reqs = [MPI.REQUEST_NULL if r is None else r for r in requests]
         deadline, pause = time.monotonic() + timeout, self.POLL_MIN
         while True:
-            index, done = MPI.Request.Testany(reqs, self.status)
+            try:
+                index, done = MPI.Request.Testany(reqs, self.status)
+            except MPI.Exception as err:
+                if err.Get_error_class() != MPI.ERR_TRUNCATE:
+                    raise
+                source = self.status.Get_source()
+                raise BadMessage(
+                    f"rank {self.comm.Get_rank()} refused a message from "
+                    f"{f'rank {source}' if source >= 0 else 'a peer'}: one longer than the receive "
+                    f"posted for it (tag {self.status.Get_tag()}, MPI_ERR_TRUNCATE), expected at "
+                    f"most that receive's length; nothing of it was used, so the job ends") from None
             if done and index != MPI.UNDEFINED:
-                return index, self.status.Get_count(MPI.FLOAT)
+                count = self.status.Get_count(MPI.FLOAT)  # MPI.UNDEFINED: not whole float32s
+                return index, count if count != MPI.UNDEFINED else -1
             if time.monotonic() >= deadline:
                 return None
             time.sleep(pause)
