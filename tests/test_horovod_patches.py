@@ -2,8 +2,9 @@
 reproduces the single patch it replaced.
 
 Applying needs Horovod 0.28.1's sdist: ``$HOROVOD_SDIST`` when set, else ``pip download`` (PyPI,
-or pip's cache); without either the tests that apply skip, saying why.  Applying the whole
-series takes a few seconds.
+or pip's cache); without either the tests that apply skip, saying why.  Either is copied and
+must have the sha256 pinned in .ci/horovod-sdist.sha256 (a test error otherwise, as the scripts
+that build refuse it).  Applying the whole series takes a few seconds.
 """
 
 from __future__ import annotations
@@ -83,21 +84,38 @@ def tree_sha256(root: Path) -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
+def pinned_sdist_sha256(version: str = VERSION) -> str:
+    """The sha256 .ci/horovod-sdist.sha256 pins for horovod-VERSION.tar.gz (sha256sum's format)."""
+    pins = (REPO / ".ci" / "horovod-sdist.sha256").read_text()
+    found = re.findall(rf"^([0-9a-f]{{64}})  horovod-{re.escape(version)}\.tar\.gz$", pins, flags=re.M)
+    assert len(found) == 1, f"no single sha256 pinned for horovod-{version}.tar.gz: {found}"
+    return found[0]
+
+
 @pytest.fixture(scope="module")
 def sdist(tmp_path_factory) -> Path:
-    if os.environ.get("HOROVOD_SDIST"):
-        return Path(os.environ["HOROVOD_SDIST"])
+    """Horovod's sdist, copied into a folder of this test's (the file then checked and unpacked)."""
     folder = tmp_path_factory.mktemp("sdist")
+    found = folder / f"horovod-{VERSION}.tar.gz"
+    if os.environ.get("HOROVOD_SDIST"):
+        shutil.copyfile(os.environ["HOROVOD_SDIST"], found)
+        return verified(found, "HOROVOD_SDIST")
     try:
         proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
                                "--no-deps", "--no-binary", ":all:", f"horovod=={VERSION}", "-d", str(folder)],
                               capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired:
         pytest.skip("pip download of Horovod's sdist took over 180 s (no network?); set HOROVOD_SDIST")
-    found = folder / f"horovod-{VERSION}.tar.gz"
     if proc.returncode != 0 or not found.is_file():
         pytest.skip(f"cannot get Horovod {VERSION}'s sdist (set HOROVOD_SDIST): {proc.stderr.strip()[-300:]}")
-    return found
+    return verified(found, "pip download")
+
+
+def verified(sdist: Path, source: str) -> Path:
+    got = hashlib.sha256(sdist.read_bytes()).hexdigest()
+    want = pinned_sdist_sha256()
+    assert got == want, f"{source}: {sdist.name} has sha256 {got}, not {want} (.ci/horovod-sdist.sha256)"
+    return sdist
 
 
 def unpack(sdist: Path, where: Path) -> Path:
@@ -173,7 +191,7 @@ def test_the_tree_tool_round_trips_the_series(sdist, tmp_path):
     rewrites the copy's series, not this checkout's."""
     copy = tmp_path / "repo"
     (copy / ".ci").mkdir(parents=True)
-    for name in ("horovod-patch", "horovod-build.sh"):
+    for name in ("horovod-patch", "horovod-build.sh", "trust.sh", "horovod-sdist.sha256"):
         shutil.copy(REPO / ".ci" / name, copy / ".ci" / name)
     shutil.copytree(SERIES, copy / ".ci" / SERIES.name)
     tool = ["bash", str(copy / ".ci" / "horovod-patch")]

@@ -49,7 +49,8 @@ def bare_machine():
         home.mkdir(mode=0o777)
         home.chmod(0o777)
         (repo / ".ci").mkdir(parents=True)
-        for name in (".ci/setup", ".ci/horovod-build.sh", "constraints.txt"):
+        for name in (".ci/setup", ".ci/horovod-build.sh", ".ci/trust.sh", ".ci/horovod-sdist.sha256",
+                     "constraints.txt"):
             shutil.copyfile(REPO / name, repo / name)
         shutil.copytree(REPO / ".ci" / "horovod-patches", repo / ".ci" / "horovod-patches")
         yield bin_dir, home, repo
