@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import netns_hosts
+from bench.common import netns_hosts
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -47,6 +47,74 @@ def launch_cmd(module: str, args: list[str], np: int = 2, how: str = "horovodrun
 # ~/.cache/ringtrain/decoded: the folders the tests write are gone after them.
 DECODE_CACHE = tempfile.mkdtemp(prefix="ringtrain-tests-decoded-")
 atexit.register(shutil.rmtree, DECODE_CACHE, True)
+
+# The suite does not depend on its caller's environment.  The variables that change what the code
+# under test does (MNIST_DIR; RINGTRAIN_*: the decode cache, the Horovod the dispatcher accepts,
+# the elastic hosts file; HOROVOD_*: fusion, cycle time, controller, interface, timeouts, an
+# elastic or a launched rank's identity, ...) are taken out of os.environ when the suite starts,
+# before any test module is collected, so neither the tests run in this process nor the processes
+# they start see them; a test that means one sets it itself (monkeypatch.setenv, or run's env).
+# They stay out: the autouse fixture below takes out again, around every test, what library code
+# or a test set in this process and left behind.  Kept: the suite's own opt-in switches
+# (docs/testing.md, "Opt-in variables"), which choose what runs, not how the code behaves, and
+# how `make setup` built this environment (.ci/setup's cache and GPU build), which the tests of
+# the installed build must match.
+KEPT_ENV = frozenset({"RINGTRAIN_FULL", "RINGTRAIN_FAULTS", "RINGTRAIN_FAULT_LOG", "HOROVOD_SDIST",
+                      "RINGTRAIN_CACHE", "HOROVOD_GPU_OPERATIONS"})
+
+
+def changes_behaviour(name: str) -> bool:
+    """A caller's variable the suite does not inherit (see KEPT_ENV for those it does)."""
+    return (name == "MNIST_DIR" or name.startswith(("RINGTRAIN_", "HOROVOD_"))) and name not in KEPT_ENV
+
+
+CALLERS_ENV = {name: os.environ[name] for name in sorted(os.environ) if changes_behaviour(name)}
+
+
+def callers_mnist() -> Path | None:
+    """The caller's MNIST_DIR where it holds the four MNIST files (the skip messages' advice, for
+    a machine without ../shared/data/mnist), else None."""
+    from ringtrain.data import mnist
+
+    given = CALLERS_ENV.get("MNIST_DIR")
+    folder = Path(given).expanduser() if given else None
+    return folder if folder and all((folder / name).is_file() for name, _ in mnist.FILES.values()) else None
+
+
+def default_mnist() -> Path:
+    from ringtrain.data import mnist
+
+    return mnist.default_data_dir()
+
+
+# The MNIST files the tests read: the caller's folder (above), else where the trainers look by
+# default (../shared/data/mnist, else ~/.cache/ringtrain/mnist).  The same bytes either way: the
+# trainers check every file's MD5.
+MNIST = callers_mnist() or default_mnist()
+# What the suite sets in os.environ itself, for this process and every process it starts: the
+# session's decode cache (as run() gives it), and MNIST_DIR only where the caller's folder holds
+# the files (an MNIST_DIR without them, or none, leaves the trainers' default).
+SUITE_ENV = {"RINGTRAIN_DECODE_CACHE": DECODE_CACHE,
+             **({"MNIST_DIR": str(MNIST)} if callers_mnist() else {})}
+
+
+def suite_environment() -> None:
+    """os.environ as the suite runs: no variable that changes behaviour but SUITE_ENV's."""
+    for name in [name for name in os.environ if changes_behaviour(name)]:
+        del os.environ[name]
+    os.environ.update(SUITE_ENV)
+
+
+suite_environment()
+
+
+@pytest.fixture(autouse=True)
+def _suite_environment():
+    """Every test starts, and leaves, with the suite's environment (in-process library code sets
+    HOROVOD_* itself: the stall check, the timeline, the autotuner)."""
+    suite_environment()
+    yield
+    suite_environment()
 
 
 def run(cmd: list[str], timeout: float = 300, env: dict | None = None,
@@ -107,7 +175,7 @@ requires_horovod = pytest.mark.skipif(not horovod_ready(), reason="horovod is no
 
 @pytest.fixture(scope="module")
 def hosts():
-    """Two network-namespace "hosts" with their own addresses and sshd (bench/netns_hosts.py),
+    """Two network-namespace "hosts" with their own addresses and sshd (bench/common/netns_hosts.py),
     shared by a test module; the module skips with the reason where they cannot be made."""
     try:
         with netns_hosts.two_hosts() as made:

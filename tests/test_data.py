@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, SUMMARY_KEYS, metrics, requires_horovod, run, train
+from conftest import MNIST, REPO, SUMMARY_KEYS, metrics, requires_horovod, run, train
 from image_folders import mnist_folder, shapes_folder
 
 from ringtrain.data import folder
@@ -183,7 +183,7 @@ def test_streamed_shards_cover_every_item_once_per_epoch(fw, tmp_path):
 def test_mnist_as_a_png_folder_lands_where_mnist_does(fw, tmp_path):
     """The same 6,000 training images, once from MNIST's files and once as PNG files in class
     folders (their own normalisation, another order): the same accuracy band after an epoch."""
-    data = mnist_folder(tmp_path / "mnist-png", 6000, 1000)
+    data = mnist_folder(tmp_path / "mnist-png", 6000, 1000, str(MNIST))
     results = {}
     for name, flags in (("mnist", ["--train-samples", "6000", "--test-samples", "1000"]),
                         ("folder", ["--data", f"folder:{data}"])):

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import MNIST, REPO
 
 from ringtrain.data import mnist
 from ringtrain.errors import UserError
 
-# The real files, found the way the trainers find them ($MNIST_DIR, then ../shared/data/mnist).
-SHARED = mnist.resolve_data_dir(None)
+# The real files: the caller's MNIST_DIR where it holds them, else the trainers' default folder
+# (conftest.MNIST); never a caller's MNIST_DIR without them.
+SHARED = MNIST
 
 
 def idx_bytes(arr: np.ndarray, magic: int) -> bytes:
@@ -155,8 +157,12 @@ def test_resolution_order(tmp_path, monkeypatch):
     assert mnist.resolve_data_dir(None) == mnist.default_data_dir()
 
 
-def test_default_is_shared_folder_when_present(real_dir):
-    assert mnist.default_data_dir() == real_dir
+def test_default_is_shared_folder_when_present():
+    """The documented default, ../shared/data/mnist beside the repository, whatever MNIST_DIR says."""
+    shared = REPO.parent / "shared" / "data" / "mnist"
+    if not all((shared / name).is_file() for name, _ in mnist.FILES.values()):
+        pytest.skip(f"MNIST not present at {shared}")
+    assert mnist.default_data_dir() == shared
 
 
 def test_default_falls_back_to_user_cache(monkeypatch, tmp_path):

@@ -19,9 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO, metrics, requires_horovod, run
-
-from ringtrain.data.mnist import resolve_data_dir
+from conftest import MNIST, REPO, metrics, requires_horovod, run
 
 pytestmark = requires_horovod
 SLURM = REPO / ".ci" / "slurm"
@@ -85,7 +83,7 @@ def test_documented_slurm_script_trains_two_tasks(slurm_cluster, tmp_path):
     (tmp_path / "ringtrain.sbatch").write_text(documented_batch_script())
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))
     sbatch, *options = documented_small_submission()
-    env = {"SLURM_CONF": str(slurm_cluster), "MNIST_DIR": str(resolve_data_dir())}
+    env = {"SLURM_CONF": str(slurm_cluster), "MNIST_DIR": str(MNIST)}
     proc = run([sbatch, "--wait", "--output=job.out", *options], cwd=tmp_path, env=env, timeout=420)
     out = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     assert proc.returncode == 0, f"{proc.stdout}{proc.stderr}\n--- job output:\n{out[-4000:]}"
