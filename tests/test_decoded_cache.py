@@ -5,26 +5,37 @@ bit for bit, through both frameworks' readers (``FolderData.batch``, which Tenso
 ``tf.data`` map calls; PyTorch's worker item, and the batches a rank reads itself once the cache
 holds an epoch); every part of the key makes a new file; a row without its stamp or with the
 wrong bytes is decoded again; a foreign, damaged, cut or linked file is replaced; a folder that
-cannot hold the cache means no cache, said once; two processes fill one file together.  Then a
-real two-rank job per framework: the same weights with the cache, without it, and with a cache
-folder that cannot be made (one warning line, the run goes on).
+cannot hold the cache means no cache, said once; two processes fill one file together.  Issue 40's
+third round: a same-size picture with its mtime restored, and a host whose own copy changed, are
+decoded afresh; a refused write (monkeypatched, and the kernel's RLIMIT_FSIZE in a subprocess) or
+a file cut short under the run turns the cache off with one line and the batch is decoded;
+another user's symlink as the cache path is not followed.  Then a real two-rank job per
+framework: the same weights with the cache, without it, and with a cache folder that cannot be
+made (one warning line, the run goes on).
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import multiprocessing
 import os
+import pickle
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import metrics, mounted_tmpfs, requires_horovod, train
+from conftest import REPO, metrics, mounted_tmpfs, requires_horovod, train
 from image_folders import corrupt, shapes_folder
 
 from launch import cli
 from ringtrain.data import dataset, decoded_cache
-from ringtrain.data.decoded_cache import Layout
+from ringtrain.data.dataset import FolderData
+from ringtrain.data.decoded_cache import HEADER_BYTES, Layout
 from ringtrain.errors import UserError
 
 ALL = np.arange(30)
@@ -40,13 +51,18 @@ def folder(pictures, tmp_path) -> Path:
     return Path(shutil.copytree(pictures, tmp_path / "data"))
 
 
-def opened(folder: Path, cache: Path | None, *flags: str) -> dataset.FolderData:
-    """The folder as a rank opens it, its caches in ``cache`` (None: --no-decode-cache)."""
+def opened_saying(folder: Path, cache: Path | None, *flags: str) -> tuple[dataset.FolderData, list[str]]:
+    """The folder as a rank opens it, its caches in ``cache`` (None: --no-decode-cache), and the
+    list its warnings go to (the rank's ``say``)."""
     extra = ["--decode-cache", str(cache)] if cache else ["--no-decode-cache"]
     args = cli.parse("torch", ["--data", f"folder:{folder}", *extra, *flags])
     data = dataset.open_builtin(args)
     said: list[str] = []
-    data = data.with_caches(str(cache), said.append) if cache else data
+    return (data.with_caches(str(cache), said.append) if cache else data), said
+
+
+def opened(folder: Path, cache: Path | None, *flags: str) -> dataset.FolderData:
+    data, said = opened_saying(folder, cache, *flags)
     assert not said, said
     return data
 
@@ -143,12 +159,12 @@ def test_an_image_that_does_not_decode_is_named_on_the_rank_path(folder, tmp_pat
 def test_every_part_of_the_key_makes_a_new_cache(folder, tmp_path, monkeypatch):
     base = opened(folder, tmp_path / "cache")
     base.batch("train", ALL)
-    path, key = cache_file(base), base.cache_keys["train"]
+    path, key = cache_file(base), base.caches["train"].key
     made = os.stat(path).st_ino
 
     def changed(data: dataset.FolderData) -> bool:
         new = cache_file(data)
-        return data.cache_keys["train"] != key and data.cached_share("train", ALL) == 0.0 \
+        return data.caches["train"].key != key and data.cached_share("train", ALL) == 0.0 \
             and (new != path or os.stat(new).st_ino != made)
 
     victim = Path(base.split("train").path(5))
@@ -168,6 +184,70 @@ def test_every_part_of_the_key_makes_a_new_cache(folder, tmp_path, monkeypatch):
     now = opened(folder, tmp_path / "cache")
     now.batch("train", ALL[:4])
     assert opened(folder, tmp_path / "cache").cached_share("train", ALL[:4]) == 1.0
+
+
+def another_picture_of_the_same_size(data: dataset.FolderData, i: int) -> bytes:
+    """Another image of the split, its bytes padded to image ``i``'s size with zeros after its
+    end marker (which JPEG and PNG decoders do not read): other pixels, the same byte size."""
+    part = data.split("train")
+    size = os.path.getsize(part.path(i))
+    for j in range(len(part.labels)):
+        donor = Path(part.path(j)).read_bytes()
+        if j != i and part.labels[j] != part.labels[i] and len(donor) <= size:
+            return donor + b"\0" * (size - len(donor))
+    raise AssertionError("no smaller image of another class")
+
+
+@pytest.mark.parametrize("how", ["in place (cp -p)", "renamed into place (tar x, rsync -t)"])
+def test_a_same_size_picture_with_its_mtime_restored_is_decoded_afresh(how, folder, tmp_path):
+    """The key was each file's name, size and mtime: an image replaced by another picture of the
+    same byte size, its mtime restored, kept it, and the cache served the old pixels."""
+    first = opened(folder, tmp_path / "cache")
+    old_x = first.batch("train", ALL)[0]
+    victim = Path(first.split("train").path(5))
+    before = victim.stat()
+    picture = another_picture_of_the_same_size(first, 5)
+    # Past the tick of the kernel's clock that stamped the copy's ctime (a few ms where the file
+    # system has no fine-grained timestamps): a user's replacement comes later than that.
+    time.sleep(0.02)
+    if how.startswith("in place"):
+        victim.write_bytes(picture)  # cp -p: truncate, write, then restore the times
+        os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+    else:
+        tmp = victim.with_name(".incoming")  # rsync -t: a new file, its times set, renamed
+        tmp.write_bytes(picture)
+        os.utime(tmp, ns=(before.st_atime_ns, before.st_mtime_ns))
+        os.replace(tmp, victim)
+    after = victim.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert (after.st_ino == before.st_ino) == how.startswith("in place")
+    again = opened(folder, tmp_path / "cache")
+    assert again.cached_share("train", ALL) == 0.0
+    fresh = opened(folder, None).batch("train", ALL)[0]
+    assert not np.array_equal(fresh[5], old_x[5])  # the picture did change
+    assert np.array_equal(again.batch("train", ALL)[0], fresh)
+
+
+def test_every_host_checks_its_own_copy_of_the_folder(folder, tmp_path):
+    """Rank 0 sends the folder's index and key to every rank.  A host whose own copy changed
+    since its cache was filled (rank 0's copy, elsewhere, did not: the index it sends is the
+    same) used to match its old file with rank 0's key and serve the old pixels."""
+    from ringtrain.training import wire
+
+    rank0 = dataset.open_builtin(cli.parse("torch", ["--data", f"folder:{folder}"]))  # its key
+    plain = wire.decode(wire.encode(rank0.to_plain()))  # what another host's rank receives
+    said: list[str] = []
+    earlier = FolderData.from_plain(plain).with_caches(str(tmp_path / "cache"), said.append)
+    old_x = earlier.batch("train", ALL)[0]
+    assert earlier.cached_share("train", ALL) == 1.0
+    part = earlier.split("train")
+    victim = Path(part.path(7))  # this host's copy changes: another picture, another size
+    victim.write_bytes(Path(part.path(8)).read_bytes())
+    now = FolderData.from_plain(plain).with_caches(str(tmp_path / "cache"), said.append)
+    assert not said and now.cached_share("train", ALL) == 0.0
+    x = now.batch("train", ALL)[0]
+    assert not np.array_equal(x[7], old_x[7]) and np.array_equal(x[7], x[8])
+    assert np.array_equal(x, FolderData.from_plain(plain).batch("train", ALL)[0])  # no cache
 
 
 def test_no_decode_cache_opens_none_and_other_data_refuse_the_flags(folder, tmp_path):
@@ -270,6 +350,146 @@ def test_the_caches_of_folders_that_are_gone_are_removed(pictures, tmp_path):
     shutil.rmtree(gone)
     opened(Path(shutil.copytree(pictures, tmp_path / "new")), tmp_path / "cache")
     assert not old.exists() and not Path(f"{old}.lock").exists()
+
+
+# --- I/O errors once the file is open -----------------------------------------------------------------
+
+def one_line_off(said: list[str], *needles: str) -> None:
+    assert len(said) == 1, said
+    assert said[0].startswith("decode cache off in this process: ") and "\n" not in said[0], said
+    for needle in needles:
+        assert needle in said[0], said
+
+
+@pytest.mark.parametrize("code", [errno.EFBIG, errno.ENOSPC, errno.EDQUOT, errno.EIO],
+                         ids=errno.errorcode.get)
+def test_a_refused_write_turns_the_cache_off_with_one_line(code, folder, tmp_path, monkeypatch,
+                                                           capfd):
+    """A write the kernel refuses after the file was opened (it is allocated whole, but a quota,
+    a thin or copy-on-write file system, a failing disk) raised OSError out of the batch."""
+    for name in ("OMPI_COMM_WORLD_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)  # this process is its host's first rank
+    data, said = opened_saying(folder, tmp_path / "cache")
+    assert not said
+    worker = pickle.loads(pickle.dumps(data))  # a DataLoader worker's copy, opened again there
+    plain_x = opened(folder, None).batch("train", ALL)[0]
+
+    def refused(fd, data, offset):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "pwrite", refused)
+    x, _, problem = data.batch("train", ALL[:10])
+    assert problem is None and np.array_equal(x, plain_x[:10])
+    one_line_off(said, os.strerror(code), errno.errorcode[code])
+    x, _, _ = data.batch("train", ALL)  # off from then on: decoded, said once
+    assert np.array_equal(x, plain_x) and len(said) == 1
+    assert data.cached_share("train", ALL) == 0.0
+    # The worker has no rank's callback: the same line on stderr, once.
+    capfd.readouterr()
+    assert np.array_equal(worker.batch("train", ALL)[0], plain_x)
+    assert np.array_equal(worker.batch("train", ALL)[0], plain_x)
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: decode cache off in this process: "), err
+
+
+FILE_SIZE_LIMIT = """
+import json, resource, sys
+from dataclasses import replace
+import numpy as np
+from launch import cli
+from ringtrain.data import dataset
+folder, cache = sys.argv[1:3]
+data = dataset.open_builtin(cli.parse("torch", ["--data", f"folder:{folder}"]))
+said = []
+data = data.with_caches(cache, said.append)
+layout = data.caches["train"].layout
+hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+# Rows 0-4 fit under the limit, row 5 is cut after 100 bytes, row 6 on is refused (EFBIG).
+resource.setrlimit(resource.RLIMIT_FSIZE, (layout.pixels_at + 5 * layout.row_bytes + 100, hard))
+x, _, problem = data.batch("train", np.arange(30))
+again, _, _ = data.batch("train", np.arange(30))
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+plain = replace(data, caches={}).batch("train", np.arange(30))[0]
+print(json.dumps({"said": said, "problem": problem, "same": bool(np.array_equal(x, plain)),
+                  "again": bool(np.array_equal(again, plain))}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_file_size_limit_cuts_a_write_and_the_run_goes_on(folder, tmp_path):
+    """The kernel's own refusal, in a process of its own (RLIMIT_FSIZE; Python ignores SIGXFSZ):
+    a write cut short at the limit, then EFBIG.  The cut row gets no stamp."""
+    proc = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMIT, str(folder), str(tmp_path / "cache")],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["problem"] is None and out["same"] and out["again"], out
+    one_line_off(out["said"], "wrote 100 of 768 bytes")
+    cache = opened(folder, tmp_path / "cache").caches["train"]
+    assert cache.filled(ALL).tolist() == [True] * 5 + [False] * 25
+
+
+@pytest.mark.parametrize("cut", ["stamps, read whole", "stamps, read one by one", "rows"])
+def test_a_file_cut_short_under_the_run_turns_the_cache_off_with_one_line(cut, folder, tmp_path,
+                                                                          monkeypatch):
+    """A cache file truncated while open: the whole stamp block read short raised IndexError;
+    stamps read one by one were whatever ``np.empty`` held; rows read short were decoded again
+    without a word, every epoch."""
+    data, said = opened_saying(folder, tmp_path / "cache")
+    plain_x = opened(folder, None).batch("train", ALL)[0]
+    data.batch("train", ALL)
+    cache = data.caches["train"]
+    if cut == "stamps, read whole":  # as an epoch's share of a large folder is read
+        monkeypatch.setattr(decoded_cache.DecodedCache, "WHOLE_STAMPS_FROM", 1)
+    layout = cache.layout
+    os.truncate(cache_file(data), HEADER_BYTES + 8 * 10 if cut.startswith("stamps")
+                else layout.pixels_at + 3 * layout.row_bytes)
+    x, _, problem = data.batch("train", ALL)
+    assert problem is None and np.array_equal(x, plain_x)
+    one_line_off(said, "the file was cut short")
+    assert np.array_equal(data.batch("train", ALL)[0], plain_x) and len(said) == 1
+    assert data.cached_share("train", ALL) == 0.0 and len(said) == 1
+
+
+# --- the cache folder's path ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["the cache folder", "a folder above it"])
+def test_another_users_symlink_as_the_cache_path_is_not_followed(where, folder, tmp_path,
+                                                                 monkeypatch):
+    """A symlink another user planted as the cache path (``--decode-cache /tmp/cache`` before
+    the user's first run) steered the cache into a folder of their choosing: the folder was
+    opened following it, and the files made there."""
+    target = tmp_path / "theirs"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "planted"
+    link.symlink_to(target)
+    if os.getuid() == 0:
+        os.lchown(link, 4321, 4321)
+    else:  # a link of another user's cannot be made: this process takes another uid instead
+        uid = os.getuid() + 1
+        monkeypatch.setattr(os, "getuid", lambda: uid)
+    data = dataset.open_builtin(cli.parse("torch", ["--data", f"folder:{folder}"]))
+    said: list[str] = []
+    cache = link if where == "the cache folder" else link / "cache"
+    without = data.with_caches(str(cache), said.append)
+    assert without.caches == {} and len(said) == 1, said
+    assert f"{link} is a symbolic link of another user's" in said[0] and "not followed" in said[0]
+    assert list(target.iterdir()) == []  # nothing made where the link points
+    assert np.array_equal(without.batch("train", ALL)[0], data.batch("train", ALL)[0])
+
+
+def test_the_users_own_symlinks_on_the_cache_path_are_followed(folder, tmp_path):
+    """``~/.cache`` on a scratch disk: a link of the user's own is followed as before."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(mode=0o700)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / ".cache").symlink_to(scratch)
+    (tmp_path / "relative").symlink_to("home/.cache/../scratch")
+    for path in (tmp_path / "home" / ".cache" / "ringtrain", tmp_path / "relative" / "decoded"):
+        data = opened(folder, path)
+        assert cache_file(data).parent == path and cache_file(data).resolve().parent.parent == scratch
+        data.batch("train", ALL[:3])
+        assert opened(folder, path).cached_share("train", ALL[:3]) == 1.0
 
 
 # --- two processes, one file --------------------------------------------------------------------------

@@ -150,7 +150,8 @@ class FolderData:
         return self.index.train if name == "train" else self.index.test
 
     def with_keys(self) -> FolderData:
-        """The same, with every split's cache key (a ``stat`` of each file)."""
+        """The same, with the folder's part of every split's cache key (its file list; sent to
+        every rank with the index)."""
         keys = {name: decoded_cache.split_key(self.split(name).root, self.split(name).paths,
                                               self.index.shape, self.index.max_pixels)
                 for name in SPLITS}
@@ -158,13 +159,16 @@ class FolderData:
 
     def with_caches(self, directory: str, say: Callable[[str], None]) -> FolderData:
         """The same, each split's cache file opened (made where there is none) in ``directory``;
-        a split without one (said through ``say``, once) decodes as before."""
+        a split without one (said through ``say``, once) decodes as before.  The file's key is
+        the folder's part with this host's own stat of every file (:func:`decoded_cache.host_key`):
+        this host's copy is what its rows were decoded from."""
         if self.cache_keys is None:
             return self
         caches = {}
         for name in SPLITS:
             part = self.split(name)
-            cache = decoded_cache.open_split(directory, self.index.root, name, self.cache_keys[name],
+            key = decoded_cache.host_key(self.cache_keys[name], part.root, part.paths)
+            cache = decoded_cache.open_split(directory, self.index.root, name, key,
                                              len(part.labels), self.index.shape, say)
             if cache is None:
                 break  # the same reason would stop the other split: said once

@@ -24,18 +24,53 @@ rank's own file would hold only what it decoded itself (half the folder after on
 
 The pixels are kept before normalisation (``Normalization.apply`` runs on every read), so a
 changed ``--normalize`` needs no new cache.  What does invalidate it, held in the file's header
-and compared whole (:func:`split_key`): the split's file list, each file's size and mtime, the
-image size, ``--max-image-pixels``, Pillow's and its decoders' versions, and this format's.  A
-file that fails any check (another key, a bad header, the wrong size, another owner) is replaced,
-never read; the replacement is made under a new name and renamed over the old one, so a process
-that has the old one open is not cut short.
+and compared whole, has two parts.  The folder's (:func:`split_key`), made once on rank 0 and
+sent to every rank with the folder's index: the split's folder and its file names in row order
+(row i is the i-th name), the image size, ``--max-image-pixels``, Pillow's and its decoders'
+versions, and this format's.  The host's (:func:`host_key`), added by every rank from its own
+host's copy as it opens the file: each file's size, mtime, ctime, inode and device (one ``stat``
+per file and rank, at start-up: 3 to 6 us a file here, 50,000 files on ext4 with the 2 cores
+busy, so about a second for 200,000; rank 0 alone made such a stat before, for every host).
+
+Why the stat is each host's own, not rank 0's: each host decodes its own copy of the folder, so
+its rows are its own files' pixels, and only its own stat can say whether those files changed
+(with rank 0's stat as the key, a host whose copy had changed while rank 0's had not kept its
+old rows); and a file's ctime, inode and device differ between hosts' copies anyway, so they
+could not travel.  What travels is what every host must agree on: which file is row i.  Why
+ctime, inode and device besides size and mtime: ``cp -p``, ``tar x`` and ``rsync -t`` restore a
+file's mtime, so a picture replaced by another of the same byte size kept its key and the cache
+served the old pixels.  Writing a file, or renaming one into place, sets its ctime from the
+kernel's clock, which no user can set (``utime`` sets atime and mtime only), and ``tar x`` and
+``rsync`` write a new file: a new inode.  The contents are not hashed: that would read the whole
+folder on every host at every start.  What the stat misses: a rewrite in place within the same
+tick of the kernel's clock as the file's previous change (a few ms, where the file system keeps
+coarse timestamps); root setting the clock back; a file changed while the run is running (the
+stat is taken at start-up).  What it catches needlessly: a ``chmod`` or ``chown``, and a mount
+that numbers its device anew (some network and btrfs mounts): the cache is made again, an
+epoch of decoding, never a wrong pixel.
+A file that fails any check (another key, a bad header, the wrong size, another owner) is
+replaced, never read; the replacement is made under a new name and renamed over the old one, so
+a process that has the old one open is not cut short.
 
 The cache folder must be this user's and writable by no one else (else a private
 ``ringtrain-<uid>`` folder inside it is used); every file in it is opened relative to it,
-without following symlinks.  The file is allocated whole when made (``posix_fallocate``): a
-full disk is then found up front, never as a crash while training.  Anything that keeps the
-cache from working (no room, a folder that cannot be written, a lock held for too long) means
-no cache: one warning line, and the run decodes as without it.
+without following symlinks.  The folder's own path is walked one name at a time (``openat`` with
+``O_NOFOLLOW``), and a symbolic link on it is followed only where this user or root owns it: a
+link that another user planted as the cache path (in ``/tmp`` or a shared scratch folder, before
+the user's first run there) would otherwise steer the cache into a folder of their choosing.
+Such a link means no cache.  The user's own links (``~/.cache`` on a scratch disk) are followed.
+
+The file is allocated whole when made (``posix_fallocate``): a full disk is then found up front,
+never as a crash while training.  Anything that keeps the cache from working (no room, a folder
+that cannot be written, a lock held for too long) means no cache: one warning line, and the run
+decodes as without it.  So does an I/O error once the file is open (a refused write: ``EFBIG``,
+``ENOSPC``, ``EDQUOT``, ``EIO``; a read or write cut short: a file truncated under the run): the
+cache is off in that process from then on, one warning line, and the batch is decoded.  Off, not
+closed: TensorFlow's ``map`` calls :meth:`DecodedCache.gather` from several threads, and a
+descriptor closed under another thread's read could be reused by a file opened meanwhile; it is
+closed with the object.  The line goes through the rank's ``say`` (printed by the host's first
+rank); a DataLoader worker, which cannot carry the rank's callback, prints it to its stderr where
+its rank would: at most one line per process.
 """
 
 from __future__ import annotations
@@ -49,6 +84,8 @@ import math
 import os
 import secrets
 import stat
+import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -57,10 +94,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringtrain.errors import printable
+from ringtrain.runtime import first_on_this_host
 
 ENV = "RINGTRAIN_DECODE_CACHE"
 DEFAULT_DIR = "~/.cache/ringtrain/decoded"
-FORMAT = 1
+FORMAT = 2  # 2: the key adds each host's own stat of every file (ctime, inode, device)
 MAGIC = b"ringtrain decoded images\n"
 HEADER_BYTES = 4096
 PAGE = 4096
@@ -71,6 +109,7 @@ CRC_MASK = np.uint64(0xFFFFFFFF)
 KEEP_FREE_BYTES = 1 << 30
 KEEP_FREE_SHARE = 0.05
 LOCK_SECONDS = 60.0  # how long a rank waits for another that is making the same file
+LINK_HOPS = 40  # symbolic links followed on the cache folder's path, at most (Linux's own limit)
 
 Say = Callable[[str], None]
 
@@ -90,20 +129,32 @@ def decoder_versions() -> str:
 
 
 def split_key(root: str, paths: np.ndarray, shape: tuple[int, int, int], max_pixels: int) -> str:
-    """What a cache file of a split must have been made for (SHA-256, hex): the split's folder,
-    every file's name, size and mtime (one ``stat`` each, on rank 0 at start-up), the decoded
-    shape, the pixel limit, the decoder, and this format."""
+    """The folder's part of a split's key (SHA-256, hex), made on rank 0 and sent to every rank:
+    the split's folder, its file names in row order, the decoded shape, the pixel limit, the
+    decoder, and this format.  No file's stat: that is each host's (:func:`host_key`)."""
     digest = hashlib.sha256()
     head = {"format": FORMAT, "root": os.path.realpath(root), "shape": list(shape),
             "max_pixels": max_pixels, "decoder": decoder_versions(), "files": len(paths)}
     digest.update(json.dumps(head, sort_keys=True).encode())
     for name in paths:
-        path = os.path.join(root, os.fsdecode(name))
+        digest.update(bytes(name) + b"\0")
+    return digest.hexdigest()
+
+
+def host_key(key: str, root: str, paths: np.ndarray) -> str:
+    """What this host's cache file of a split must have been made for (SHA-256, hex): the
+    folder's part ``key`` and, per file of this host's copy, its size, mtime, ctime, inode and
+    device (one ``stat`` each, when the rank opens the cache).  ctime, inode and device are what
+    a same-size replacement with its mtime restored (``cp -p``, ``tar x``, ``rsync -t``)
+    changes; the module's docstring says why they are this host's and not rank 0's."""
+    digest = hashlib.sha256(key.encode() + b"\n")
+    for name in paths:
         try:
-            st = os.stat(path)
-            digest.update(b"%s\0%d\0%d\n" % (bytes(name), st.st_size, st.st_mtime_ns))
+            st = os.stat(os.path.join(root, os.fsdecode(name)))
+            digest.update(b"%d %d %d %d %d\n" % (st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                                                  st.st_ino, st.st_dev))
         except OSError:  # gone or unreadable: decoding will say so, naming it
-            digest.update(b"%s\0missing\n" % bytes(name))
+            digest.update(b"missing\n")
     return digest.hexdigest()
 
 
@@ -153,40 +204,112 @@ def header_matches(fd: int, key: str, layout: Layout) -> bool:
         return False
 
 
+def open_folder(path: str, make: bool = False) -> int:
+    """An open descriptor of the folder ``path`` (made where missing, with the folders above it,
+    where ``make``), its names resolved here one at a time with ``O_NOFOLLOW``: a symbolic link
+    on the way is followed only where this user or root owns it (root's: ``/var/run`` and their
+    like, and root can do anything anyway).  Another user's link is an ``OSError`` naming it."""
+    absolute = path.startswith("/")
+    todo = path.split("/")[::-1]  # a stack: the next name last
+    fd = os.open("/" if absolute else ".", os.O_RDONLY | os.O_DIRECTORY)
+    walked, hops = "/" if absolute else "", 0
+    try:
+        while todo:
+            part = todo.pop()
+            if part in ("", "."):
+                continue
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                hops += 1  # bounds a folder that another process keeps removing
+                if not make or hops > LINK_HOPS:
+                    raise
+                last = all(p in ("", ".") for p in todo)
+                with contextlib.suppress(FileExistsError):  # os.makedirs's modes
+                    os.mkdir(part, 0o700 if last else 0o777, dir_fd=fd)
+                todo.append(part)
+                continue
+            except OSError as err:
+                if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                # The name is not a folder: a symbolic link (ELOOP under O_NOFOLLOW), or a file.
+                # Its owner is read before and after its target, so that a link swapped in
+                # between (in a folder another user can write to) is not followed either.
+                link = os.path.join(walked, part)
+                before = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISLNK(before.st_mode):
+                    raise
+                target = os.readlink(part, dir_fd=fd)
+                after = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                if (after.st_ino, after.st_uid) != (before.st_ino, before.st_uid) \
+                        or before.st_uid not in (os.getuid(), 0):
+                    raise OSError(errno.EPERM, f"{link} is a symbolic link of another user's (uid "
+                                               f"{before.st_uid}), not followed") from None
+                hops += 1
+                if hops > LINK_HOPS:
+                    raise OSError(errno.ELOOP, f"{link}: too many symbolic links") from None
+                todo.extend(target.split("/")[::-1])
+                if target.startswith("/"):
+                    os.close(fd)
+                    fd, walked = os.open("/", os.O_RDONLY | os.O_DIRECTORY), "/"
+                continue
+            os.close(fd)
+            fd, walked = nxt, os.path.join(walked, part)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def private_dir(path: str) -> tuple[int, str]:
     """An open descriptor of a folder at or inside ``path`` that is this user's and writable by
     no one else (``path`` itself, else ``path/ringtrain-<uid>``, made with mode 0700), and its
-    name; an ``OSError`` saying why there is none."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    for candidate in (path, os.path.join(path, f"ringtrain-{os.getuid()}")):
-        if candidate != path:
-            try:
-                os.mkdir(candidate, 0o700)
-            except FileExistsError:
-                pass
-        fd = os.open(candidate, os.O_RDONLY | os.O_DIRECTORY | (0 if candidate == path else os.O_NOFOLLOW))
-        st = os.fstat(fd)
+    name; an ``OSError`` saying why there is none (another user's symbolic link on ``path``
+    among the reasons: :func:`open_folder`)."""
+    top = open_folder(path, make=True)
+    inner = f"ringtrain-{os.getuid()}"
+    try:
+        st = os.fstat(top)
         if st.st_uid == os.getuid() and not st.st_mode & 0o022:
-            return fd, candidate
-        os.close(fd)
-    raise OSError(errno.EPERM, f"{path} is shared with other users, and so is its ringtrain-"
-                               f"{os.getuid()} folder")
+            return os.dup(top), path
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(inner, 0o700, dir_fd=top)
+        fd = os.open(inner, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+    finally:
+        os.close(top)
+    st = os.fstat(fd)
+    if st.st_uid == os.getuid() and not st.st_mode & 0o022:
+        return fd, os.path.join(path, inner)
+    os.close(fd)
+    raise OSError(errno.EPERM, f"{path} is shared with other users, and so is its {inner} folder")
+
+
+def say_on_stderr(message: str) -> None:
+    """A DataLoader worker's ``say`` (the rank's own is a closure, which does not pickle): the
+    line on stderr, where the rank's would be printed (the host's first rank's workers)."""
+    if first_on_this_host():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class DecodedCache:
     """One split's cache file, open in this process.  Pickled (to a DataLoader worker) as its
     folder, name, key and layout: the worker opens the same file again, after the same checks,
-    or goes without."""
+    or goes without.  An I/O error or a short read or write turns it off in this process, said
+    once through ``say`` (the rank's; :func:`say_on_stderr` in a worker)."""
 
     # A gather of more rows than this reads the whole stamp block in one call (an epoch's share,
     # :meth:`filled`), fewer read a stamp each.
     WHOLE_STAMPS_FROM = 512
 
-    def __init__(self, directory: str, name: str, key: str, layout: Layout) -> None:
+    def __init__(self, directory: str, name: str, key: str, layout: Layout,
+                 say: Say | None = None) -> None:
         self.directory, self.name, self.key, self.layout = directory, name, key, layout
+        self.say = say or say_on_stderr
         self._fd: int | None = None
         self._verified: np.ndarray | None = None  # rows whose CRC this process has checked
         self._attached = False
+        self._off = False  # an I/O error was met: no more reads or writes (the fd stays open)
+        self._off_lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         return {"directory": self.directory, "name": self.name, "key": self.key, "layout": self.layout}
@@ -200,7 +323,7 @@ class DecodedCache:
                 os.close(self._fd)
             self._fd = None
 
-    # --- opening -------------------------------------------------------------------------------
+    # --- opening and turning off --------------------------------------------------------------
 
     def _open(self, fd: int) -> None:
         """Keep a descriptor of the checked file (``fd`` stays the caller's)."""
@@ -212,10 +335,10 @@ class DecodedCache:
         """Open the file again (a DataLoader worker): only if it is still the one the rank
         checked (same key); a worker without it decodes."""
         if self._attached:
-            return self._fd is not None
+            return self._fd is not None and not self._off
         self._attached = True
         try:
-            dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+            dir_fd = open_folder(self.directory)
             try:
                 st = os.fstat(dir_fd)
                 if st.st_uid != os.getuid() or st.st_mode & 0o022:
@@ -232,57 +355,103 @@ class DecodedCache:
             self._fd = None
         return self._fd is not None
 
+    def _turn_off(self, why: str) -> None:
+        """No more cache in this process, said once: the file failed under it."""
+        with self._off_lock:  # two threads of TensorFlow's map may fail at once
+            if self._off:
+                return
+            self._off = True
+        self.say(f"decode cache off in this process: {self.directory}/{self.name}: {why}; "
+                 f"its images are decoded from now on")
+
+    def _failed(self, err: OSError) -> None:
+        self._turn_off(_reason(err) + (f" ({errno.errorcode[err.errno]})"
+                                       if err.errno in errno.errorcode else ""))
+
     # --- rows ----------------------------------------------------------------------------------
 
     def _stamps(self, indices: np.ndarray) -> np.ndarray:
-        """The stamps of ``indices`` as the file holds them now."""
+        """The stamps of ``indices`` as the file holds them now; a :class:`ShortRead` where the
+        file ends before them."""
         if len(indices) >= self.WHOLE_STAMPS_FROM:
             block = os.pread(self._fd, 8 * self.layout.rows, HEADER_BYTES)
+            if len(block) != 8 * self.layout.rows:
+                raise ShortRead(len(block), 8 * self.layout.rows)
             return np.frombuffer(block, np.uint64)[indices]
         out = np.empty(len(indices), np.uint64)
         fd, view = self._fd, memoryview(out).cast("B")
         for j, i in enumerate(indices.tolist()):
-            os.preadv(fd, [view[8 * j:8 * j + 8]], HEADER_BYTES + 8 * i)
+            got = os.preadv(fd, [view[8 * j:8 * j + 8]], HEADER_BYTES + 8 * i)
+            if got != 8:  # else the stamp would be whatever np.empty left there
+                raise ShortRead(got, 8)
         return out
 
     def filled(self, indices: np.ndarray) -> np.ndarray:
         """Which of ``indices`` have a stamp (their CRC is checked when read)."""
-        if not self._attach():
-            return np.zeros(len(indices), bool)
-        return (self._stamps(indices) & TAG_MASK) == STAMP_TAG
+        if self._attach():
+            try:
+                return (self._stamps(indices) & TAG_MASK) == STAMP_TAG
+            except OSError as err:
+                self._failed(err)
+        return np.zeros(len(indices), bool)
 
     def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rows of ``indices`` (uint8 ``[B, H, W, C]``, a copy) and which of them are good
-        (stamped, and their bytes match the stamp); the others' pixels are to be decoded."""
+        (stamped, and their bytes match the stamp); the others' pixels are to be decoded (all of
+        them once the cache is off)."""
         indices = np.asarray(indices, np.int64)
         layout = self.layout
         pixels = np.empty((len(indices), *layout.shape), np.uint8)
         if not self._attach():
             return pixels, np.zeros(len(indices), bool)
-        stamps = self._stamps(indices)  # the stamps before the pixels: a row stamped later waits
-        good = (stamps & TAG_MASK) == STAMP_TAG
-        fd, verified, size, at = self._fd, self._verified, layout.row_bytes, layout.pixels_at
-        for j in np.flatnonzero(good).tolist():
-            i = int(indices[j])
-            if os.preadv(fd, [pixels[j]], at + i * size) != size:
-                good[j] = False
-            elif not verified[i]:
-                if zlib.crc32(pixels[j]) == int(stamps[j] & CRC_MASK):
-                    verified[i] = True
-                else:
-                    good[j] = False
+        try:
+            stamps = self._stamps(indices)  # the stamps before the pixels: a row stamped later waits
+            good = (stamps & TAG_MASK) == STAMP_TAG
+            fd, verified, size, at = self._fd, self._verified, layout.row_bytes, layout.pixels_at
+            for j in np.flatnonzero(good).tolist():
+                i = int(indices[j])
+                got = os.preadv(fd, [pixels[j]], at + i * size)
+                if got != size:  # the file is allocated whole: cut short under the run
+                    raise ShortRead(got, size)
+                if not verified[i]:
+                    if zlib.crc32(pixels[j]) == int(stamps[j] & CRC_MASK):
+                        verified[i] = True
+                    else:
+                        good[j] = False
+        except OSError as err:
+            self._failed(err)
+            return pixels, np.zeros(len(indices), bool)
         return pixels, good
 
     def put(self, i: int, pixels: np.ndarray) -> None:
-        """Row ``i`` decoded: its pixels, then its stamp."""
+        """Row ``i`` decoded: its pixels, then its stamp (no stamp if the row was not all
+        written)."""
         if not self._attach():
             return
         layout = self.layout
         row = np.ascontiguousarray(pixels, np.uint8)
         stamp = np.array([STAMP_TAG | np.uint64(zlib.crc32(row))], np.uint64)
-        os.pwrite(self._fd, row, layout.pixels_at + i * layout.row_bytes)
-        os.pwrite(self._fd, stamp, HEADER_BYTES + 8 * i)
+        try:
+            for part, at in ((row, layout.pixels_at + i * layout.row_bytes), (stamp, HEADER_BYTES + 8 * i)):
+                wrote = os.pwrite(self._fd, part, at)
+                if wrote != part.nbytes:  # RLIMIT_FSIZE cuts a write at its limit, then EFBIG
+                    raise ShortWrite(wrote, part.nbytes)
+        except OSError as err:
+            self._failed(err)
+            return
         self._verified[i] = True
+
+
+class ShortRead(OSError):
+    """A read that ended before its bytes (no ``errno``: the kernel reported none)."""
+
+    def __init__(self, got: int, wanted: int) -> None:
+        super().__init__(f"read {got} of {wanted} bytes: the file was cut short")
+
+
+class ShortWrite(OSError):
+    def __init__(self, got: int, wanted: int) -> None:
+        super().__init__(f"wrote {got} of {wanted} bytes")
 
 
 def open_split(directory: str, root: str, split: str, key: str, rows: int,
@@ -312,7 +481,7 @@ def open_split(directory: str, root: str, split: str, key: str, rows: int,
                 if fd is None:
                     return None
             try:
-                cache = DecodedCache(where, name, key, layout)
+                cache = DecodedCache(where, name, key, layout, say)
                 cache._open(fd)
             finally:
                 os.close(fd)
@@ -386,7 +555,7 @@ def _create(dir_fd: int, where: str, name: str, key: str, layout: Layout, root: 
             say: Say) -> int | None:
     """A new file for ``key``, allocated whole, renamed over ``name``; None (said) if there is
     no room for it."""
-    fs = os.statvfs(where)
+    fs = os.fstatvfs(dir_fd)
     free, total = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
     keep = max(KEEP_FREE_BYTES, int(KEEP_FREE_SHARE * total))
     if free - layout.size < keep:
