@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke and args.out is None:
         raise bad_input("--smoke needs --out DIR, a scratch folder: its numbers must not land in "
                         "bench/results")
-    out = (util.REPO / (args.out or RESULTS)).resolve()
+    given_out = util.REPO / (args.out or RESULTS)
+    out = given_out.resolve()
     default_md = out / "BENCHMARKS.md" if args.smoke else "BENCHMARKS.md"
     markdown = (util.REPO / (args.markdown or default_md)).resolve()
     if args.smoke and (out == RESULTS.resolve() or markdown == (util.REPO / "BENCHMARKS.md").resolve()):
@@ -129,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_rounds is not None and (args.data_rounds < 1 or "data" not in parts):
         raise bad_input(f"--data-rounds {args.data_rounds}: a count of 1 or more, with --only data")
     cfg = smoke.config() if args.smoke else config.quick() if args.quick else config.full()
-    out.mkdir(parents=True, exist_ok=True)
+    why = util.private_dir(given_out)  # before resolve() could follow a symlink planted as --out
+    if why:
+        raise bad_input(f"--out: {why}; give a folder of yours that only you can write to")
     frameworks = [f for f in args.frameworks.split(",") if f]
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     t0 = time.perf_counter()

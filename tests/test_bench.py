@@ -6,6 +6,8 @@ assertions in tests.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -651,6 +653,123 @@ def test_data_models_chooses_the_data_parts_models_and_refuses_the_unknown(capsy
         assert ended.value.code == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+# -- the output folder and the files bench writes (the cluster parts run as root) -------------------
+
+def _entry_points(monkeypatch):
+    """Every bench entry point that takes an output folder or file, as ``run(folder)``; whatever
+    would start work past the argument checks is replaced by a failure, so that a folder that is
+    not refused fails the test without launching anything."""
+    import sys
+
+    from bench import __main__ as bench_main
+    from bench.parts import cluster_cells, owndata
+    from bench.reports import report
+
+    def started(*_args, **_kwargs):
+        raise AssertionError("went past its argument checks into the run")
+
+    monkeypatch.setattr(bench_main.machine, "describe", started)
+    monkeypatch.setattr(owndata, "run_part", started)
+    monkeypatch.setattr(cluster_cells.nh, "why_unavailable", started)
+    monkeypatch.setattr(report, "write", started)
+
+    def report_main(folder):
+        monkeypatch.setattr(sys, "argv", ["report", "--out", str(folder)])
+        return report.main()
+
+    return {"bench": lambda d: bench_main.main(["--only", "collectives", "--out", str(d)]),
+            "owndata": lambda d: owndata.main(["--scale", "smoke", "--out", str(d)]),
+            "cluster_cells": lambda d: cluster_cells.main(["--out", str(d / "cells.json")]),
+            "report": report_main}
+
+
+def _refused(capsys, run, folder) -> str:
+    with pytest.raises(SystemExit) as ended:
+        run(folder)
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(folder) in err, err
+    return err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's folder needs root")
+@pytest.mark.parametrize("entry", ["bench", "owndata", "cluster_cells", "report"])
+def test_another_users_folder_as_out_is_refused_in_one_line(tmp_path, monkeypatch, capsys, entry):
+    """As root, --out in a folder another user made first (here ``nobody``'s, mode 0755) would let
+    them plant symlinks where root writes, or the pictures the trainers read: exit 2, one line,
+    nothing written into it."""
+    import pwd
+
+    try:
+        nobody = pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        nobody = 65534
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chmod(theirs, 0o755)
+    os.chown(theirs, nobody, nobody)
+    err = _refused(capsys, _entry_points(monkeypatch)[entry], theirs)
+    assert "belongs to nobody, not to you" in err or f"belongs to uid {nobody}" in err, err
+    assert os.listdir(theirs) == []
+
+
+@pytest.mark.parametrize("entry,mode", [("bench", "770"), ("bench", "757"), ("owndata", "775"),
+                                        ("cluster_cells", "775"), ("report", "777")])
+def test_a_folder_others_can_write_to_is_refused_as_out(tmp_path, monkeypatch, capsys, entry, mode):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, int(mode, 8))
+    err = _refused(capsys, _entry_points(monkeypatch)[entry], shared)
+    assert f"is writable by others (mode {mode})" in err, err
+
+
+def test_a_symlink_as_out_is_refused_and_a_missing_folder_is_made_private(tmp_path, monkeypatch, capsys):
+    import stat
+
+    from bench.common import util
+
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(mine)
+    err = _refused(capsys, _entry_points(monkeypatch)["bench"], tmp_path / "link")
+    assert "is a symlink" in err, err
+    new = tmp_path / "a" / "b"
+    assert util.private_dir(new) is None
+    assert stat.S_IMODE(os.stat(new).st_mode) == stat.S_IMODE(os.stat(new.parent).st_mode) == 0o700
+
+
+@pytest.mark.parametrize("writer", ["write_json", "run log", "write_bytes"])
+def test_a_symlink_planted_at_a_results_file_is_replaced_not_followed(tmp_path, writer):
+    """``<out>/machine.json`` planted as a symlink to another file: bench's write replaces the
+    link with its own file (``mkstemp`` in the folder, ``os.replace``); the link's target is
+    unchanged (``write_text`` wrote through the link)."""
+    import json
+    import stat
+    import sys
+
+    from bench.common import util
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    out = tmp_path / "out"
+    out.mkdir(mode=0o700)
+    planted = out / "machine.json"
+    planted.symlink_to(victim)
+    if writer == "write_json":
+        util.write_json(planted, {"cores": 2})
+        assert json.loads(planted.read_text()) == {"cores": 2}
+    elif writer == "run log":
+        assert util.run([sys.executable, "-c", "print('hi')"], log=planted, timeout=60).ok
+        assert "hi" in planted.read_text()
+    else:
+        util.write_bytes(planted, b"\x89PNG")
+        assert planted.read_bytes() == b"\x89PNG"
+    assert victim.read_text() == "precious\n"
+    st = os.lstat(planted)
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644
+    assert sorted(os.listdir(out)) == ["machine.json"]  # no temporary file left
 
 
 def test_a_ratio_just_under_the_data_target_never_reads_as_the_target():

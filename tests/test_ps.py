@@ -670,3 +670,73 @@ def test_a_refused_message_is_the_runs_one_line():
 
     line = "server rank 0 refused a message from worker rank 2: x, expected y; ... the job ends"
     assert ParameterServerRun._silent_line(None, ps.BadMessage(line)) == line
+
+
+class SliceComm:
+    """A communicator whose one receive gets ``sent`` (``FakeMPI``'s Status says how many values
+    arrived; longer than the receive, mpi4py raises ``MPI_ERR_TRUNCATE``), for
+    :meth:`ParameterServerRun.open_servers`."""
+
+    def __init__(self, sent: np.ndarray) -> None:
+        self.sent = sent
+
+    def Dup(self):  # noqa: N802 - mpi4py's names
+        return self
+
+    def Bcast(self, buf, root: int) -> None:  # noqa: N802
+        pass
+
+    def Recv(self, spec, source: int, tag: int, status=None) -> None:  # noqa: N802
+        buf = spec[0]
+        n = min(len(buf), len(self.sent))
+        buf[:n] = self.sent[:n]
+        if len(self.sent) > len(buf):
+            raise FakeMPI.Exception(FakeMPI.ERR_TRUNCATE)
+
+
+@pytest.mark.parametrize("sent,count,says", [
+    (3, 3, "its momentum slice of 3 values, expected 10 values"),
+    (10, FakeMPI.UNDEFINED, "a length that is no whole number of float32 values"),
+    (12, None, "MPI_ERR_TRUNCATE"),
+    (10, 10, None)])
+def test_a_servers_momentum_slice_of_the_wrong_length_ends_the_job_in_one_line(monkeypatch, sent,
+                                                                               count, says):
+    """Server 0 hands server 1 the momentum of its slice with one blocking Recv: the received
+    count is checked against the slice (a short message left np.empty's garbage as momentum), and
+    a mismatch ends the job in one line naming the peer, the message and what was expected."""
+    from types import SimpleNamespace
+
+    from ringtrain.faults import watchdog
+    from ringtrain.strategies.ps import run as ps_run
+
+    class Ended(Exception):
+        pass
+
+    lines: list[str] = []
+
+    def end_job(line: str) -> None:
+        lines.append(line)
+        raise Ended(line)
+
+    monkeypatch.setattr(watchdog, "end_job", end_job)
+    monkeypatch.setattr(ps_run.ps_mpi, "world", lambda comm: None)
+    monkeypatch.setattr(ps_run.ps_mpi, "MpiLink", lambda comm: None)
+    stub = type("Stub", (ps_run.ParameterServerRun,), {})
+    stub.__abstractmethods__ = frozenset()
+    run = object.__new__(stub)
+    run.args, run._rank, run._roles = SimpleNamespace(momentum=0.9), 1, ps.Roles(2, 4)
+    run.get_flat = lambda: np.zeros(20, np.float32)
+    run.set_flat = lambda flat: None
+    mpi = FakeMPI(count)
+    mpi.COMM_WORLD = SliceComm(np.arange(1, sent + 1, dtype=np.float32))
+    if says is None:
+        run.open_servers(mpi)
+        np.testing.assert_array_equal(run.velocity0, np.arange(1, 11, dtype=np.float32))
+        assert not lines
+        return
+    with pytest.raises(Ended):
+        run.open_servers(mpi)
+    (line,) = lines
+    assert says in one_line_naming(Ended(line), "server rank 0"), line
+    assert line.startswith("server rank 1 refused a message from server rank 0: its momentum slice")
+    assert "10 values, the length of this server's slice" in line

@@ -62,6 +62,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.common import util
+
 SSHD = "/usr/sbin/sshd"  # sshd refuses to start from a relative path
 IFACE = "rtveth0"
 PREFIX = "rt-"
@@ -334,8 +336,7 @@ def ensure_privsep_dir() -> None:
 
 
 def _write(path: Path, text: str, mode: int = 0o644) -> None:
-    path.write_text(text)
-    path.chmod(mode)
+    util.write_text(path, text, mode)  # a fresh file renamed into place: never through a symlink
 
 
 def _hosts_file(hosts: Sequence[Host], me: Host) -> str:
@@ -390,7 +391,8 @@ def _known_hosts(hosts: Sequence[Host], host_key_pub: Path) -> str:
 def _start_sshd(hosts: Hosts, host: Host) -> None:
     config = hosts.workdir / f"sshd-{host.netns}.conf"
     _write(config, _sshd_config(host, hosts.workdir))
-    with open(hosts.workdir / f"sshd-{host.netns}.log", "w") as log:  # sshd keeps its own copy
+    # "x": a new file (O_CREAT|O_EXCL), never one planted there; sshd keeps its own copy
+    with open(hosts.workdir / f"sshd-{host.netns}.log", "x") as log:
         host.sshd = subprocess.Popen(hosts.cmd_in(host, [SSHD, "-D", "-e", "-f", str(config)]),
                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -500,7 +502,7 @@ def make_hosts(names: Sequence[str], *, prefix: str = PREFIX, subnet: str = "10.
         for key, comment in ((hosts.identity_file, "ringtrain-test-client"), (workdir / "host_key", "")):
             _must(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(key)],
                   "ssh-keygen")
-        shutil.copy(f"{hosts.identity_file}.pub", workdir / "authorized_keys")
+        util.write_bytes(workdir / "authorized_keys", Path(f"{hosts.identity_file}.pub").read_bytes())
         _write(hosts.known_hosts, _known_hosts(made, workdir / "host_key.pub"))
         _write(hosts.ssh_config, _ssh_config(hosts.identity_file, hosts.known_hosts))
         hosts.bin_dir.mkdir()

@@ -8,8 +8,10 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -109,8 +111,7 @@ def run(cmd: Sequence[str], env: dict[str, str] | None = None, timeout: float = 
         raise
     seconds = time.perf_counter() - t0
     if log is not None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(" ".join(cmd) + "\n\n" + out)
+        write_text(log, " ".join(cmd) + "\n\n" + out)
     return Result(code, seconds, out)
 
 
@@ -162,8 +163,7 @@ def run_parallel(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
         code = code or p.returncode
     out = "\n".join(outs)
     if log is not None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(out)
+        write_text(log, out)
     return Result(code, time.perf_counter() - t0, out)
 
 
@@ -175,9 +175,74 @@ def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
 
 
-def write_json(path: Path, data: Any) -> None:
+def write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> None:
+    """Every file bench writes, through here: a fresh temporary file in the target's folder
+    (``mkstemp``: ``O_CREAT|O_EXCL``, so never a name someone planted, link or not), ``mode`` set
+    on it, then ``os.replace`` onto the path.  A symlink planted at ``path`` is replaced, not
+    followed (a plain ``write_text`` wrote through it: as root, into any file of the system), and
+    a reader sees the old file or the new one, never half of it.  Like
+    :func:`ringtrain.output.files.atomic_write_bytes`, but keeping a results file's usual mode
+    (mkstemp's is 0600) and without its fsync (results are not checkpoints)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), mode)
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text(path: str | os.PathLike, text: str, mode: int = 0o644) -> None:
+    write_bytes(path, text.encode(), mode)
+
+
+def write_json(path: str | os.PathLike, data: Any, indent: int | None = 2) -> None:
+    write_text(path, json.dumps(data, indent=indent, sort_keys=False) + "\n")
+
+
+def private_dir(path: str | os.PathLike) -> str | None:
+    """Make ``path`` where it is missing (mode 0700, as every folder above it that is missing) and
+    return None where it is a folder, not a symlink, owned by the caller and writable by no one
+    else (neither group nor others); otherwise why not, as words that start with the path.  A
+    folder that exists is never changed.  The results folder's rule (``.ci/trust.sh``'s
+    ``private_dir``): the cluster parts run as root, and a folder another user made first, or can
+    write to, would let them plant a symlink where root writes, or the pictures the trainers read
+    (``<out>/tmp/data``)."""
+    path = Path(os.path.abspath(path))
+    if not os.path.lexists(path):
+        old = os.umask(0o077)
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as err:
+            return f"{path} cannot be created ({err.strerror})"
+        finally:
+            os.umask(old)
+    try:
+        st = os.lstat(path)
+    except OSError as err:
+        return f"{path} cannot be read ({err.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a folder"
+    if st.st_uid != os.geteuid():
+        return f"{path} belongs to {user_name(st.st_uid)}, not to you ({user_name(os.geteuid())})"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def user_name(uid: int) -> str:
+    try:
+        import pwd
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return f"uid {uid}"
 
 
 def say(message: str) -> None:

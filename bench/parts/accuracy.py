@@ -68,7 +68,7 @@ def run_one(framework: str, np: int, cfg: Config, out: Path) -> dict:
     except BaseException:  # the driver ends: the job is in its own session (util.run)
         util.kill_group(proc)
         raise
-    (work / "output.log").write_text(" ".join(cmd) + "\n\n" + "".join(lines))
+    util.write_text(work / "output.log", " ".join(cmd) + "\n\n" + "".join(lines))
     if metrics_path.exists():  # ran to the end: the JSON is the authority
         epochs = [{k: e[k] for k in ("epoch", "test_accuracy", "seconds", "images_per_second")}
                   for e in util.read_json(metrics_path)["epochs"]]

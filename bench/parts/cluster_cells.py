@@ -195,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = emulated_cluster.ClusterConfig(coll_sizes=[parse_size(s) for s in args.sizes.split(",")],
                                          timeout_s=300)
     out = util.REPO / args.out
+    why = util.private_dir(out.parent)  # as root: a folder another user can write to is theirs
+    if why:
+        print(f"cluster_cells: --out: {why}; give a file in a folder of yours that only you can "
+              "write to", file=sys.stderr)
+        raise SystemExit(2)
     work = out.parent / "tmp" / "cells"
     given = argv if argv is not None else sys.argv[1:]
     data = {"command": "python -m bench.parts.cluster_cells " + " ".join(given),

@@ -372,8 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     if not frameworks or set(frameworks) - set(FRAMEWORKS):
         raise SystemExit(f"--frameworks: this part measures {', '.join(FRAMEWORKS)} only")
     cfg = SCALES[args.scale](frameworks)
+    why = util.private_dir(util.REPO / args.out)  # before resolve() could follow a planted symlink
+    if why:
+        print(f"error: --out: {why}; give a folder of yours that only you can write to", file=sys.stderr)
+        raise SystemExit(2)
     out = (util.REPO / args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     data = run_part(cfg, out)
     data["quick"] = cfg.scale != "full"

@@ -9,8 +9,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.common import tables  # noqa: E402
+from bench.common import tables, util  # noqa: E402
 from bench.reports import plots_cluster  # noqa: E402
+from bench.reports.plots_cluster import png_bytes  # noqa: E402
 
 FW_NAMES = tables.FW_NAMES
 SERIES = [  # (kind, wrapper, data, label, style)
@@ -124,6 +125,6 @@ def _save(fig, results: dict, path: Path, part: str) -> Path:
     """Stamp the machine and run time, write the PNG, free the figure."""
     _stamp(fig, results, part)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    util.write_bytes(path, png_bytes(fig, 110))
     plt.close(fig)
     return path

@@ -4,9 +4,10 @@ Each figure names the machine and the link profile (figures travel alone)."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
-from bench.common import costmodel
+from bench.common import costmodel, util
 from bench.reports import report_cluster as rc
 
 STYLE = {"horovod-mpi": "o-", "horovod-mpi-ring": "o--", "horovod-gloo": "s-", "mpi4py-ring": "^--",
@@ -121,10 +122,18 @@ def _finish(ax, xlabel: str, ylabel: str, title: str) -> None:
     ax.legend(fontsize=7)
 
 
+def png_bytes(fig, dpi: int) -> bytes:
+    """The figure as a PNG, for :func:`bench.common.util.write_bytes` (``savefig`` to a path
+    writes through a symlink planted there)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
 def _save(fig, results: dict, path: Path, plt) -> Path:
     quick = "QUICK MODE" in _machine(results)
     fig.suptitle(_machine(results), fontsize=8, color="red" if quick else "black")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    util.write_bytes(path, png_bytes(fig, 100))
     plt.close(fig)
     return path

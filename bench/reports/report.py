@@ -7,6 +7,7 @@ never re-runs the suite.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from bench.common import metrics, util
@@ -403,7 +404,7 @@ def write(results_path: Path, markdown_path: Path) -> Path:
     from bench.reports import plots  # matplotlib: only needed for the figures (the bench extra)
 
     plots.render_all(res, results_path.parent)
-    markdown_path.write_text(render(res))
+    util.write_text(markdown_path, render(res))
     return markdown_path
 
 
@@ -412,6 +413,10 @@ def main() -> None:
     p.add_argument("--out", default="bench/results", help="folder holding results.json")
     p.add_argument("--markdown", default="BENCHMARKS.md")
     args = p.parse_args()
+    why = util.private_dir(util.REPO / args.out)  # the plots are written there
+    if why:
+        print(f"error: --out: {why}; give a folder of yours that only you can write to", file=sys.stderr)
+        raise SystemExit(2)
     out = write(util.REPO / args.out / "results.json", util.REPO / args.markdown)
     util.say(f"wrote {out}")
 

@@ -17,11 +17,11 @@ overlap: the compute time of N ranks sharing this machine's cores, without the n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import time
-from pathlib import Path
+
+from bench.common import util
 
 WRAPPERS = ("none", "alone", "horovod", "ddp")
 
@@ -75,8 +75,7 @@ def tcp_barrier(rank: int, size: int, tag: int, timeout: float = 600.0) -> None:
 
 def write(path: str | None, doc: dict) -> None:
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(doc, indent=2))
+        util.write_json(path, doc)
 
 
 def summary(args, *, framework: str, size: int, grad_bytes: int, step_seconds: list[float],

@@ -315,11 +315,10 @@ def main() -> None:
     rows = [measure(be, int(s), args.warmup, args.reps, args.budget, args.count_iface, args.warmup_s)
             for s in args.sizes.split(",")]
     if be.rank == 0:
-        import json
-        from pathlib import Path
+        from bench.common.util import write_json
 
-        Path(args.out).write_text(json.dumps({"impl": args.impl, "controller": be.controller,
-                                              "world_size": be.size, "rows": rows}, indent=2))
+        write_json(args.out, {"impl": args.impl, "controller": be.controller, "world_size": be.size,
+                              "rows": rows})
     be.close()
 
 

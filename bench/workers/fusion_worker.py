@@ -12,11 +12,10 @@ loop turned.  Rank 0 writes every rank's figures and the step time.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
+from bench.common import util
 from bench.workers import loopcounters
 
 
@@ -70,10 +69,10 @@ def main() -> None:
     gathered = hvd.allgather_object(per_rank, name="fusion_gather")
     if hvd.rank() == 0:
         grads = [p.numel() * p.element_size() for p in model.parameters()]
-        Path(args.out).write_text(json.dumps({
+        util.write_json(args.out, {
             "world_size": hvd.size(), "gradients": len(grads), "gradient_bytes": sum(grads),
             "layers": args.layers, "width": args.width, "batch_size_per_rank": args.batch_size,
-            "per_rank": gathered}, indent=2))
+            "per_rank": gathered})
 
 
 if __name__ == "__main__":

@@ -13,13 +13,12 @@ an image folder (``--data folder:DIR``) read through the trainers' own input pip
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 
+from bench.common import util
 from bench.workers import procs
 from ringtrain.data import mnist
 from ringtrain.data.sharding import shard_indices
@@ -162,5 +161,4 @@ def write_result(path: str | None, *, framework: str, wrapper: str, data: str, s
     doc = {"framework": framework, "wrapper": wrapper, "data": data, "world_size": size,
            "batch_size_per_rank": batch, "timed_steps": steps, "seconds": seconds,
            "images_per_second": images / seconds, "threads_per_rank": threads, **(extra or {})}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(doc, indent=2))
+    util.write_json(path, doc)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import os
 import re
 import resource
 import runpy
 import sys
 from pathlib import Path
+
+from bench.common import util
 
 
 def status(key: str) -> int:
@@ -48,9 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
 
     def report() -> None:
-        Path(f"{a.report}.{rank}.json").write_text(json.dumps({
+        util.write_json(f"{a.report}.{rank}.json", {
             "rank": rank, "base_data_bytes": base, "limit_data_bytes": limit,
-            "budget_bytes": limit - base, "peak_rss_bytes": status("VmHWM"), "pid": os.getpid()}))
+            "budget_bytes": limit - base, "peak_rss_bytes": status("VmHWM"), "pid": os.getpid()}, indent=None)
 
     atexit.register(report)
     sys.argv = ["launch.torch_mnist", *trainer_args]

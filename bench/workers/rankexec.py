@@ -13,7 +13,6 @@ them to that file.  With ``$BENCH_PYSPY_OUT`` set, rank 0 re-executes itself und
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import resource
 import runpy
@@ -21,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from bench.common.util import launcher_rank
+from bench.common.util import launcher_rank, write_json
 from bench.workers.procs import PeakParts, Watcher
 
 
@@ -37,8 +36,7 @@ def _write_rss(watcher: Watcher | None = None, parts: PeakParts | None = None) -
         record["peak_rss_parts_mib"] = parts.stop()
     if watcher is not None:
         record["descendants"] = watcher.stop()
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    Path(folder, f"{name}.json").write_text(json.dumps(record))
+    write_json(Path(folder, f"{name}.json"), record, indent=None)
 
 
 def _maybe_profile(argv: list[str]) -> None:

@@ -16,10 +16,10 @@ over the call: CPU / wall is how many cores a rank holds while it waits for a la
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
+
+from bench.common import util
 
 OPS = ("torch-allreduce", "tf-allreduce", "tf-broadcast-inplace")
 
@@ -89,11 +89,11 @@ def main() -> None:
 
     rows = late_calls(call, barrier, hvd.rank(), args.late_ms / 1e3, args.reps)
     if hvd.rank() == 0:
-        Path(args.out).write_text(json.dumps({
+        util.write_json(args.out, {
             "op": args.op, "world_size": hvd.size(), "late_ms": args.late_ms, "reps": args.reps,
             "wall_seconds": statistics.median(w for w, _ in rows),
             "cpu_seconds": statistics.median(c for _, c in rows),
-            "cores_busy": statistics.median(c / w for w, c in rows)}, indent=2))
+            "cores_busy": statistics.median(c / w for w, c in rows)})
 
 
 if __name__ == "__main__":

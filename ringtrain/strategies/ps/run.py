@@ -163,10 +163,16 @@ class ParameterServerRun(FrameworkRun):
         self.lost: list[int] = []
         self.velocity0 = None
         if self.serves:
-            self.velocity0 = self._share_velocity(MPI)
+            try:
+                self.velocity0 = self._share_velocity(MPI)
+            except ps.BadMessage as err:  # the slice refused: its one line, as the engine's
+                watchdog.end_job(self._silent_line(err))
 
     def _share_velocity(self, MPI) -> np.ndarray | None:
-        """Server 0's momentum (restored or zeros), one slice per server, point to point."""
+        """Server 0's momentum (restored or zeros), one slice per server, point to point.  A
+        server checks what it received (the ``Status``'s count): a short message would have left
+        the rest of ``np.empty`` as momentum; a longer one is MPI's ``MPI_ERR_TRUNCATE``.  Either
+        is :class:`~ringtrain.strategies.ps.engine.BadMessage`."""
         if not self.args.momentum:
             return None
         bounds = ps.split(self.size, self.roles.servers)
@@ -178,7 +184,18 @@ class ParameterServerRun(FrameworkRun):
                                     dest=s, tag=ps.TAG_PEER)
             return v[bounds[0]:bounds[1]].copy()
         mine = np.empty(bounds[self._rank + 1] - bounds[self._rank], np.float32)
-        self.link_comm.Recv([mine, MPI.FLOAT], source=0, tag=ps.TAG_PEER)
+        status = MPI.Status()
+        try:
+            self.link_comm.Recv([mine, MPI.FLOAT], source=0, tag=ps.TAG_PEER, status=status)
+            count = status.Get_count(MPI.FLOAT)
+            got = ps.values(count if count != MPI.UNDEFINED else -1)
+        except MPI.Exception as err:
+            if err.Get_error_class() != MPI.ERR_TRUNCATE:
+                raise
+            count, got = None, "more values than that (MPI_ERR_TRUNCATE)"
+        if count != len(mine):
+            ps.refuse(f"server rank {self._rank}", "server rank 0", f"its momentum slice of {got}",
+                      f"{len(mine)} values, the length of this server's slice")
         return mine
 
     # --- the epochs -------------------------------------------------------------------------------
