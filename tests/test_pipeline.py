@@ -56,7 +56,8 @@ GROUPS = {
     ]),
     "np2": (2, "horovodrun", (), [
         ("gpipe", pipe("gpipe", 4), None),
-        ("1f1b", pipe("1f1b", 4), None),
+        # the strategy spelt out: the same job as --pipeline-stages 2 alone, which implies it
+        ("1f1b", ["--strategy", "pipeline", *pipe("1f1b", 4)], None),
     ]),
     "np4": (4, "horovodrun", ("np2",), [
         ("gpipe", pipe("gpipe", 2), None),
@@ -199,6 +200,10 @@ def test_the_summary_names_each_stage(fw, runs):
     (["--pipeline-stages", "0"], "--pipeline-stages must be a positive integer"),
     (["--schedule", "gpipe"], "--schedule works with --pipeline-stages 2 or more"),
     (["--pipeline-stages", "2", "--schedule", "zigzag"], "invalid choice: 'zigzag'"),
+    (["--strategy", "pipeline"], "--strategy pipeline needs --pipeline-stages S of 2 or more"),
+    (["--strategy", "ring", "--pipeline-stages", "2"], "--strategy ring with --pipeline-stages 2"),
+    (["--strategy", "pipeline", "--pipeline-stages", "2", "--staleness", "1"],
+     "--ps-servers and --staleness set up parameter servers"),
 ])
 def test_bad_pipeline_flags(module, flags, needle):
     one_error_line(run([sys.executable, "-m", module, *flags]), needle)
