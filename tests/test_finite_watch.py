@@ -1,10 +1,17 @@
 """The per-step divergence check of the PyTorch trainer (torch_models.evaluation.FiniteWatch):
-at once on a CPU, one step late on a GPU (``lag``), and never a step missed."""
+at once on a CPU, one step late on a GPU (``lag``), and never a step missed; and the Keras
+trainer's (tf_models.evaluation: the ``WeightsTotal`` metric of its train step, and
+``make_weights_finite``), which takes no copy of any weight."""
 
 from __future__ import annotations
 
+import json
+import sys
+import textwrap
+
 import pytest
 import torch
+from conftest import run
 
 from torch_models.evaluation import FiniteWatch, weights_finite
 
@@ -154,3 +161,102 @@ def test_float64_weights_never_reach_the_fused_check(monkeypatch):
     with torch.no_grad():
         model[1].weight[1, 1] = float("nan")
     assert watch.step(2) is None and watch.flush() == 2
+
+
+# --- the Keras side (tf_models.evaluation), in one subprocess: TensorFlow is not imported here --
+
+KERAS_CHECKS = textwrap.dedent("""
+    import json
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from tf_models import evaluation
+    from tf_models.evaluation import WeightsTotal, make_weights_finite
+
+    def build():
+        inputs = keras.Input((32,))
+        hidden = keras.layers.Dense(64)(inputs)  # kernel 32x64, bias 64: float32
+        wide = keras.layers.Dense(48, dtype="float64")(hidden)  # kernel 64x48, bias 48: float64
+        return keras.Model(inputs, keras.layers.Dense(10)(wide))
+
+    net = build()
+    weights = net.trainable_weights
+    metric = WeightsTotal(net)
+    made, real = [], tf.function  # the functions make_weights_finite traces
+    evaluation.tf.function = lambda *a, **k: made.append(real(*a, **k)) or made[-1]
+    check = make_weights_finite(net)
+    evaluation.tf.function = real
+
+    def answers():
+        metric.update_state(None, None)
+        return [metric.finite(), check()]
+
+    out = {"finite": answers(), "bad": {}}
+    saved = [w.numpy() for w in weights]
+    for w, value in zip(weights, saved):
+        for bad in ("nan", "inf", "-inf"):
+            poisoned = value.copy()
+            poisoned.flat[value.size // 2] = float(bad)
+            w.assign(poisoned)
+            out["bad"][f"{w.path} {bad}"] = answers()
+            w.assign(value)
+    # Finite weights whose sums overflow float32: the float32 kernel at float32's largest, the
+    # float64 kernel at 1e300 (beyond float32, as float64 it is finite).
+    weights[0].assign(np.full(weights[0].shape, np.finfo(np.float32).max, np.float32))
+    weights[2].assign(np.full(weights[2].shape, 1e300))
+    out["float32_sum_overflows"] = not np.isfinite(float(tf.reduce_sum(weights[0])))
+    out["overflow"] = answers()
+    for w, value in zip(weights, saved):
+        w.assign(value)
+    out["restored"] = answers()
+
+    # What the check's graphs compute: the metric's update (run inside every train step) and
+    # what make_weights_finite traced.  A weight-sized tensor is one with a weight's shape.
+    sizes = {tuple(w.shape) for w in weights}
+    def outputs(graph):
+        return [(op.type, t.dtype.name, tuple(t.shape)) for op in graph.get_operations()
+                for t in op.outputs if t.shape.rank is not None and tuple(t.shape) in sizes]
+    step = tf.function(lambda: metric.update_state(None, None)).get_concrete_function().graph
+    out["step_outputs"] = outputs(step)
+    out["step_nested"] = len(step.as_graph_def().library.function)
+    out["made_outputs"] = [outputs(f.get_concrete_function().graph) for f in made]
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def keras_checks() -> dict:
+    proc = run([sys.executable, "-c", KERAS_CHECKS], timeout=240)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_keras_finite_weights_whose_float32_sum_overflows_are_finite(keras_checks):
+    """The per-tensor sums may overflow where every weight is finite: the exact check then says
+    finite, so finite weights are never read as divergence."""
+    assert keras_checks["finite"] == [True, True]
+    assert keras_checks["float32_sum_overflows"]
+    assert keras_checks["overflow"] == [True, True]  # [WeightsTotal.finite(), make_weights_finite]
+    assert keras_checks["restored"] == [True, True]
+
+
+def test_keras_a_nan_or_inf_in_any_weight_is_caught(keras_checks):
+    bad = keras_checks["bad"]
+    assert len(bad) == 6 * 3, bad  # 3 layers' kernels and biases, each with a NaN, an inf, a -inf
+    assert all(answer == [False, False] for answer in bad.values()), bad
+
+
+def test_keras_check_makes_no_copy_of_any_weight(keras_checks):
+    """The check inside the train step reads each weight and sums it in its own dtype: no
+    tensor of a weight's shape but the variables' reads (a float64 cast of a 4096x4096 kernel,
+    128 MB, ended a run under a memory cap with a segfault or, read as NaN, as divergence), and
+    no branch in the step (its exact fallback runs outside it, only where a sum is not finite).
+    What make_weights_finite traces holds no float64 tensor of a weight's shape either (its exact
+    fallback's ``is_finite`` is a boolean one)."""
+    step = keras_checks["step_outputs"]
+    assert step and {op for op, _, _ in step} == {"ReadVariableOp"}, step
+    assert keras_checks["step_nested"] == 0
+    made = [t for outputs in keras_checks["made_outputs"] for t in outputs]
+    assert made and not [t for t in made if t[1] == "float64" and t[0] != "ReadVariableOp"], made
+    assert {dtype for op, dtype, _ in made if op not in ("ReadVariableOp",)} <= {"bool"}, made
