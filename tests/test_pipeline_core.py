@@ -8,6 +8,9 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
+import weakref
+from collections import defaultdict, deque
 
 import numpy as np
 import pytest
@@ -184,8 +187,12 @@ class FakeLink:
 
     def send(self, array, dest, tag):
         self.wire.box(self.rank, dest, tag).put(np.array(array))
+        return 0  # a copy went: nothing outstanding
 
-    def finish_sends(self, what):
+    def release(self):
+        return 0
+
+    def finish_sends(self, what, keep=0):
         pass
 
 
@@ -234,14 +241,20 @@ class NumpyStage:
         self.x = [x[a:b] for a, b in itertools.pairwise(bounds)]
         self.y = [y[a:b] for a, b in itertools.pairwise(bounds)]
         self.total, self.cache, self.loss, self.log = int(bounds[-1]), {}, 0.0, []
+        self.probe = lambda: None  # called at every op (a test's own measure)
+
+    def held(self):
+        return len(self.cache)
 
     def forward(self, m, x):
+        self.probe()
         self.log.append((FORWARD, m))
         out, cache = forward_layers(self.layers, self.x[m] if self.first else x, self.last)
         self.cache[m] = (cache, out)
         return None if self.last else out
 
     def backward(self, m, grad):
+        self.probe()
         self.log.append((BACKWARD, m))
         cache, out = self.cache.pop(m)
         if self.last:
@@ -469,6 +482,7 @@ class Outbox(FakeLink):
 
     def send(self, array, dest, tag):
         self.sent.append((array, dest, tag))
+        return len(self.sent)
 
 
 class Returns:
@@ -519,3 +533,219 @@ def test_test_activations_of_the_wrong_shape_are_not_sent(ended):
         relay(lambda x: np.zeros((3, 3)), np.zeros((3, 2)), 3, np.asarray)
     assert "computed test activations as shape (3, 3) of float64, expected shape (3, 2)" in str(line.value)
     assert link.sent == []
+
+
+# --- memory: what a stage holds, measured from its buffers --------------------------------------
+
+class ThreadMPI:
+    """What the transport uses of mpi4py's ``MPI``, for ranks that are threads: a message is
+    copied when a send meets the receive posted for it (per sender, receiver and tag, in the
+    order each side posted), and both requests complete then, as MPI's synchronous sends do (the
+    latest a send may complete; an eager one completes sooner).  ``holding(rank)``: the send
+    requests of ``rank`` still alive, i.e. the send buffers its transport still keeps."""
+
+    BYTE, ERR_TRUNCATE = "byte", 15
+
+    class Exception(Exception):  # noqa: N818 - mpi4py's name
+        def Get_error_class(self):  # noqa: N802
+            return -1
+
+    class Status:
+        count = None
+
+        def Get_count(self, datatype):  # noqa: N802
+            return self.count
+
+    class Request:
+        done, count = False, None
+
+        def Test(self, status=None):  # noqa: N802
+            if self.done and status is not None:
+                status.count = self.count
+            return self.done
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.unmatched: dict[tuple, deque] = defaultdict(deque)  # sends no receive met yet
+        self.posted: dict[tuple, deque] = defaultdict(deque)  # receives no send met yet
+        self.sends: dict[int, weakref.WeakSet] = defaultdict(weakref.WeakSet)
+
+    def holding(self, rank: int) -> int:
+        with self.lock:
+            return len(self.sends[rank])
+
+    def meet(self, buffer, received, array, sent) -> None:
+        np.copyto(buffer, array.reshape(buffer.shape))
+        received.count, received.done, sent.done = array.nbytes, True, True
+
+    def comm(self, rank: int):
+        mpi = self
+
+        class Comm:
+            def Isend(self, array, dest, tag):  # noqa: N802
+                request = mpi.Request()
+                with mpi.lock:
+                    mpi.sends[rank].add(request)
+                    key = (rank, dest, tag)
+                    if mpi.posted[key]:
+                        mpi.meet(*mpi.posted[key].popleft(), array, request)
+                    else:
+                        mpi.unmatched[key].append((array, request))
+                return request
+
+            def Irecv(self, buffer, source, tag):  # noqa: N802
+                request = mpi.Request()
+                with mpi.lock:
+                    key = (source, rank, tag)
+                    if mpi.unmatched[key]:
+                        mpi.meet(buffer, request, *mpi.unmatched[key].popleft())
+                    else:
+                        mpi.posted[key].append((buffer, request))
+                return request
+
+        return Comm()
+
+
+@pytest.fixture
+def thread_mpi(monkeypatch):
+    from ringtrain.strategies.pipeline import transport
+
+    mpi = ThreadMPI()
+    monkeypatch.setattr(transport, "mpi", lambda: mpi)
+    return mpi
+
+
+def links_over(mpi: ThreadMPI, ranks: int):
+    from ringtrain.strategies.pipeline.transport import Link
+
+    return [Link(mpi.comm(r), r, timeout=30.0) for r in range(ranks)]
+
+
+def on_threads(ranks: int, body):
+    """``body(rank)`` on one thread per rank; their results."""
+    out, errors = [None] * ranks, []
+
+    def run(rank):
+        try:
+            out[rank] = body(rank)
+        except BaseException as err:  # noqa: BLE001 - the test thread reports it
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_stage_holds_what_its_schedule_bounds_measured_from_its_buffers(thread_mpi, schedule):
+    """Issue (model parallelism, item 2): sent buffers were kept until the step ended, so at S =
+    4, M = 16 the stages held 16, 32, 32 and 16 of them; what a stage held was derived from the
+    op list, not measured.  Here S = 4 stages are threads over the real transport."""
+    stages, micro = 4, 16
+    rng = np.random.default_rng(3)
+    sizes = [5, 8, 7, 6, 4]
+    layers = mlp_weights(sizes, rng)
+    rows = [2] * micro
+    x = rng.standard_normal((sum(rows), sizes[0]))
+    y = rng.integers(0, sizes[-1], sum(rows))
+    cuts = [Boundary((sizes[s + 1],), np.float64) for s in range(stages - 1)]
+    works = [NumpyStage(layers[s:s + 1], s == 0, s == stages - 1, x, y, rows) for s in range(stages)]
+    links = links_over(thread_mpi, stages)
+    seen = [0] * stages  # the most send buffers a stage's transport kept at any op, seen from MPI
+    for s, work in enumerate(works):
+        work.probe = lambda s=s: seen.__setitem__(s, max(seen[s], thread_mpi.holding(s)))
+
+    took = on_threads(stages, lambda s: run_step(
+        Placement(stages, stages, s), links[s], works[s], stage_ops(schedule, stages, s, micro),
+        rows, cuts[s - 1] if s else None, cuts[s] if s < stages - 1 else None))
+
+    grads = [[np.zeros_like(w), np.zeros_like(b)] for w, b in layers]
+    logits, cache = forward_layers(layers, x, True)
+    backward_layers(layers, cache, softmax_grad(logits, y, len(y))[1], True, grads)
+    for (gw, _), (ww, _) in zip([g for work in works for g in work.grads], grads, strict=True):
+        np.testing.assert_allclose(gw, ww, rtol=1e-12, atol=1e-14)
+    assert [thread_mpi.holding(s) for s in range(stages)] == [0] * stages, "all released"
+    if schedule == "1f1b":
+        # An unfinished send is of a micro-batch the stage still holds (its activations) or the
+        # previous stage still holds (the input's gradient): at most what stage s - 1 holds.
+        bound = [stages - s + (s > 0) for s in range(stages)]
+        assert all(seen[s] <= bound[s] for s in range(stages)), (seen, bound)
+        assert [t.held for t in took] == [stages - s for s in range(stages)]  # 4, 3, 2, 1
+        assert all(t.sends <= b for t, b in zip(took, bound, strict=True)), [t.sends for t in took]
+    else:  # the measure sees what GPipe holds: every micro-batch
+        assert [t.held for t in took] == [micro] * stages
+
+
+def test_a_send_buffer_goes_as_soon_as_its_send_completes(monkeypatch):
+    from ringtrain.strategies.pipeline import transport
+
+    monkeypatch.setattr(transport, "mpi", lambda: ThreadMPI)
+    refs = []
+
+    class Comm:
+        def Isend(self, array, dest, tag):  # noqa: N802
+            request = ThreadMPI.Request()
+            refs.append(weakref.ref(request))
+            return request
+
+    link = transport.Link(Comm(), rank=0, timeout=5.0)
+    for m in range(3):
+        link.send(np.full(4, m, np.float32), 1, m)
+    refs[0]().done = refs[1]().done = True
+    assert link.send(np.zeros(4, np.float32), 1, 3) == 2, "the two completed went first"
+    assert [r() is None for r in refs] == [True, True, False, False]
+
+    class Later(ThreadMPI.Request):  # a receive that completes on its 4th poll
+        polls = 0
+
+        def Test(self, status=None):  # noqa: N802
+            self.polls += 1
+            if self.polls == 2:
+                refs[2]().done = True  # a send completes while the rank waits
+            if self.polls == 4:
+                self.done, self.count = True, 16
+            return super().Test(status)
+
+    Comm.Irecv = lambda self, buffer, source, tag: Later()
+    link.wait(link.post((4,), np.float32, 1, 9, "a gradient"))
+    assert [r() is None for r in refs] == [True, True, True, False], "released while waiting"
+    refs[3]().done = True
+    link.finish_sends("the rest")
+    assert all(r() is None for r in refs)
+
+
+def test_evaluation_streams_with_a_bounded_number_of_test_batches_in_flight(thread_mpi):
+    """Issue (model parallelism, item 2): evaluation sent every test batch before waiting for
+    any.  The last stage is slow here: unbounded, the first would run ahead by every batch."""
+    from ringtrain.strategies.pipeline import engine
+
+    stages = 3
+    cut = Boundary((2,), np.float64)
+    links = links_over(thread_mpi, stages)
+    relays = [EvalRelay(Placement(stages, stages, s), links[s], cut if s else None,
+                        cut if s < stages - 1 else None) for s in range(stages)]
+    batches = [np.full((n, 2), float(n)) for n in [3, 1, 2] * 4]
+    seen = [0] * stages  # the most test batches a stage had sent and not yet released
+
+    def walk(s):
+        def stage(v):
+            seen[s] = max(seen[s], thread_mpi.holding(s))
+            if s == stages - 1:
+                time.sleep(0.005)
+            return np.asarray(v) + 1
+
+        out = [relays[s](stage, b if s == 0 else None, len(b), np.asarray) for b in batches]
+        relays[s].finish()
+        return out
+
+    results = on_threads(stages, walk)
+    for out, b in zip(results[-1], batches, strict=True):
+        np.testing.assert_array_equal(out, b + stages)  # one +1 per stage
+    window = engine.EVAL_WINDOW
+    assert all(n <= window - 1 for n in seen), seen  # room made before computing the next
+    assert all(r.peak <= window for r in relays) and relays[0].peak >= 1
+    assert [thread_mpi.holding(s) for s in range(stages)] == [0] * stages

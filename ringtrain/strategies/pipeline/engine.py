@@ -14,6 +14,13 @@ What a stage sends must be what the cut says: an output (or the gradient of an i
 shape or dtype differs from its boundary's ends the job in one line naming the stage, the
 message and the peer it was for, before it is sent (:func:`check_output`); what a stage
 receives is checked by the transport against the same boundary (its byte count).
+
+What a stage holds is measured, not derived from the op list: after every op, the micro-batches
+whose forward has run and backward has not (the framework's saved tensors, :meth:`StageWork.held`)
+and the sends not yet completed (the transport releases each as soon as it completes; it is
+tested at every op); :class:`StepTime` carries each step's peaks.  Evaluation streams: a stage
+keeps at most :data:`EVAL_WINDOW` test batches' sends outstanding, waiting for the oldest before
+it computes another.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ KINDS = 4
 
 
 TAG_SPAN = 8192  # more than the receives ever posted at once (a window of S + 1)
+EVAL_WINDOW = 2  # test batches a stage may have sent and not yet seen taken
 
 
 def tag(kind: int, m: int) -> int:
@@ -79,20 +87,28 @@ class StageWork(Protocol):
         stage: from its loss), the gradients accumulated: the gradient of its input to send back
         (None on the first stage)."""
 
+    # Optional: ``held() -> int``, the micro-batches whose tensors the stage keeps now (between
+    # their forward and their backward); without it the engine counts forwards minus backwards.
+
 
 class Link(Protocol):  # ringtrain.strategies.pipeline.transport.Link, or a test's stand-in
     def post(self, shape, dtype, source: int, tag: int, what: str) -> Any: ...
     def wait(self, incoming) -> np.ndarray: ...
-    def send(self, array: np.ndarray, dest: int, tag: int) -> None: ...
-    def finish_sends(self, what: str) -> None: ...
+    def send(self, array: np.ndarray, dest: int, tag: int) -> int: ...
+    def release(self) -> int: ...
+    def finish_sends(self, what: str, keep: int = 0) -> None: ...
 
 
 @dataclass
 class StepTime:
-    """Seconds of one step on this stage: all of it, and the time the stage computed."""
+    """One step on this stage: its seconds, all of them (``wall``) and computing (``busy``); the
+    most micro-batches whose activations it held at once (``held``), and the most sends it had
+    outstanding at once (``sends``)."""
 
     wall: float
     busy: float
+    held: int = 0
+    sends: int = 0
 
 
 class Receives:
@@ -138,34 +154,46 @@ def run_step(place: Placement, link: Link, work: StageWork, ops: Sequence[Op],
                        outbound, "the activations", place.stage + 1),
              BACKWARD: (grads, work.backward, place.previous if inbound is not None else None,
                         GRADIENT, inbound, "the input's gradients", place.stage - 1)}
+    held = getattr(work, "held", None)
+    counted = most_held = most_sends = 0
     for kind, m in ops:
         incoming, compute, dest, kind_tag, cut, what, peer = lanes[kind]
+        sends = link.release()  # the sends completed since the last op go now
         arg = incoming.take(m) if incoming is not None else None
         start = time.perf_counter()
         out = compute(m, arg)
         busy += time.perf_counter() - start
+        counted += 1 if kind == FORWARD else -1
+        most_held = max(most_held, held() if held is not None else counted)
         if dest is not None:
             check_output(out, cut, rows[m], place, f"{what} of micro-batch {m}", dest, peer)
-            link.send(out, dest, tag(kind_tag, m))
+            sends = link.send(out, dest, tag(kind_tag, m))
+        most_sends = max(most_sends, sends)
     link.finish_sends(f"stage {place.stage}'s messages")
-    return StepTime(time.perf_counter() - t0, busy)
+    return StepTime(time.perf_counter() - t0, busy, most_held, most_sends)
 
 
 class EvalRelay:
     """Evaluation through the stages, one test batch at a time, forward only: stage 0 runs its
     layers on the batch and sends the result on, the middle stages receive, run and send, the
-    last stage receives and returns the logits (the others return None).  Stage 0 never waits
-    for the others, so the stages work on consecutive batches at once."""
+    last stage receives and returns the logits (the others return None).  A stage runs ahead of
+    the next by at most ``window`` batches: before it computes another, it waits (bounded, as
+    every wait) until fewer than ``window`` of its sends are outstanding, so the stages work on
+    consecutive batches at once and hold a bounded number of them (``peak``: the most sends
+    this relay had outstanding at once)."""
 
     def __init__(self, place: Placement, link: Link, inbound: Boundary | None,
-                 outbound: Boundary | None) -> None:
+                 outbound: Boundary | None, window: int = EVAL_WINDOW) -> None:
         self.place, self.link = place, link
         self.inbound, self.outbound = inbound, outbound
+        self.window, self.peak = window, 0
 
     def __call__(self, stage: Callable[[Any], Any], x: Any, rows: int,
                  to_numpy: Callable[[Any], np.ndarray]) -> Any:
         place, link = self.place, self.link
         t = tag(EVAL, 0)
+        if self.outbound is not None:
+            link.finish_sends(f"stage {place.stage}'s test activations", keep=self.window - 1)
         if self.inbound is not None:
             x = link.wait(link.post(self.inbound.rows(rows), self.inbound.dtype, place.previous,
                                     t, f"stage {place.stage - 1}'s test activations"))
@@ -175,7 +203,7 @@ class EvalRelay:
         out = to_numpy(out)
         check_output(out, self.outbound, rows, place, "test activations", place.next,
                      place.stage + 1)
-        link.send(out, place.next, t)
+        self.peak = max(self.peak, link.send(out, place.next, t))
         return None
 
     def finish(self) -> None:

@@ -159,6 +159,8 @@ class PipelineRun(FrameworkRun):
         self.nonfinite = False
         self.times: list[tuple[float, float, float]] = []  # seconds of each step: all of it,
         #                                                   the schedule's, computing
+        self.peak_held = self.peak_sends = self.peak_eval = 0  # measured, over the run's steps
+        self.saved: dict[int, Any] = {}  # the framework's tensors kept per micro-batch
 
     # --- who reads what, who writes -------------------------------------------------------------
 
@@ -195,6 +197,11 @@ class PipelineRun(FrameworkRun):
     @abstractmethod
     def backward(self, m: int, grad: np.ndarray | None) -> np.ndarray | None: ...
 
+    def held(self) -> int:
+        """The micro-batches whose tensors this stage keeps now, between their forward and their
+        backward: both frameworks keep them in ``self.saved`` (the engine measures it)."""
+        return len(self.saved)
+
     @abstractmethod
     def end_step(self) -> bool:
         """After the schedule: the optimizer step (the stage's allreduce inside); whether this
@@ -226,6 +233,8 @@ class PipelineRun(FrameworkRun):
         self.nonfinite = bool(total[0])
         self.loss_sum += self.step_loss
         self.times.append((time.perf_counter() - t0, took.wall, took.busy))
+        self.peak_held = max(self.peak_held, took.held)
+        self.peak_sends = max(self.peak_sends, took.sends)
         return float(total[1 + self.place.replica]) / rows_total, rows_total
 
     def take_loss_sum(self) -> float:
@@ -257,6 +266,7 @@ class PipelineRun(FrameworkRun):
         relay = EvalRelay(self.place, self.link, self.inbound, self.outbound)
         sums = self.data.eval_sums(self.evaluator(relay), self.place.replica, self.place.replicas)
         relay.finish()
+        self.peak_eval = max(self.peak_eval, relay.peak)
         return sums if self.place.last else [0.0, 0.0, 0.0, sums[3]]
 
     # The framework's checkpoint module (torch_models.checkpoints, tf_models.checkpoints): its
@@ -288,12 +298,14 @@ class PipelineRun(FrameworkRun):
 
     def facts(self) -> dict[str, Any]:
         a, place = self.args, self.place
-        ops = stage_ops(a.schedule, place.stages, 0, a.microbatches * a.backward_passes_per_step)
+        micro = a.microbatches * a.backward_passes_per_step
         return {"stages": place.stages, "replicas": place.replicas, "schedule": a.schedule,
                 "microbatches": a.microbatches, "microbatch_size": self.micro,
-                "ideal_bubble": bubble_formula(place.stages,
-                                               a.microbatches * a.backward_passes_per_step),
-                "stage0_in_flight": in_flight(ops),
+                "ideal_bubble": bubble_formula(place.stages, micro),
+                # the schedule's bound on each stage's held micro-batches, from its op list
+                # (1F1B: S - s; GPipe: M x K); the ranks' measured peaks are beside their times
+                "in_flight_formula": [in_flight(stage_ops(a.schedule, place.stages, s, micro))
+                                      for s in range(place.stages)],
                 "split": [s.record() for s in self.stages]}
 
     def check_loaded(self, meta: dict, where) -> None:
@@ -320,13 +332,19 @@ class PipelineRun(FrameworkRun):
         a step together, after the previous step's allreduce over every rank, so the longest
         schedule of a replica is its pipeline's length) and the time the stage computed; and the
         measured bubble of each replica, 1 - (mean computing time of its stages) / (its longest
-        schedule)."""
+        schedule).  Per rank also what it held, measured over every training step: the most
+        micro-batches whose activations it kept at once (``peak_activations_held``), the most
+        sends not yet completed (``peak_send_buffers``), and the most test batches sent and not
+        yet taken during evaluation (``peak_eval_in_flight``)."""
         times = self.times[1:] or self.times
         mean = [sum(t[i] for t in times) / max(len(times), 1) for i in range(3)]
         ranks = self.world.gather({"rank": self.world.rank, "stage": self.place.stage,
                                    "replica": self.place.replica, "step_seconds": mean[0],
                                    "schedule_seconds": mean[1], "busy_seconds": mean[2],
-                                   "steps": len(times), "param_bytes": self.stage_param_bytes()},
+                                   "steps": len(times), "param_bytes": self.stage_param_bytes(),
+                                   "peak_activations_held": self.peak_held,
+                                   "peak_send_buffers": self.peak_sends,
+                                   "peak_eval_in_flight": self.peak_eval},
                                   "pipeline.measured")
         bubbles = []
         for r in range(self.place.replicas):

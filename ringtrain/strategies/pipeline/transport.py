@@ -19,6 +19,13 @@ waits for) and is bounded: past ``--stall-timeout`` (and the watchdog's grace) i
 with one line naming the peer, though the watchdog, which knows what this rank waits for
 (:func:`ringtrain.faults.watchdog.waiting`), normally speaks first.
 
+A sent buffer is kept only until its send completes: every send, every poll of a wait and
+:meth:`Link.release` (the engine calls it at each op) test the outstanding sends and drop the
+completed ones, so a stage holds the buffers its schedule bounds (docs/pipeline.md), not a step's
+worth; :meth:`Link.finish_sends` waits for the rest (all at a step's end, all but a window during
+evaluation).  A send completes no later than its receiver takes it (sooner when MPI copies it out
+eagerly or the receiver has posted the receive).
+
 A completed receive counts only if it received the bytes of its whole buffer (the completed
 request's ``MPI.Status``, ``Get_count(MPI.BYTE)``): a shorter message, or one longer than the
 buffer (``MPI_ERR_TRUNCATE``), ends the job in one line naming the peer, the message and the
@@ -103,16 +110,29 @@ class Link:
             f"{buffer.nbytes} bytes (shape {buffer.shape} of {buffer.dtype}, the boundary's); nothing "
             f"of it was used, so the job ends")
 
-    def send(self, array: np.ndarray, dest: int, tag: int) -> None:
-        """Send without waiting; the buffer is kept until :meth:`finish_sends`."""
+    def send(self, array: np.ndarray, dest: int, tag: int) -> int:
+        """Send without waiting; the buffer is kept until the send completes.  Returns the sends
+        outstanding now, this one included (the completed ones released first)."""
+        self.release()
         array = np.ascontiguousarray(array)
         self.sends.append((self.comm.Isend(array, dest=dest, tag=tag), array, dest))
+        return len(self.sends)
 
-    def finish_sends(self, what: str) -> None:
-        """Wait until every message sent since the last call has been taken by its receiver."""
-        for request, _, dest in self.sends:
-            self._wait(request, f"{what} to be received", dest, "by")
-        self.sends.clear()
+    def release(self) -> int:
+        """Drop the sends that have completed (their buffers go); the number still outstanding."""
+        if self.sends:
+            self.sends = [sent for sent in self.sends if not sent[0].Test()]
+        return len(self.sends)
+
+    def finish_sends(self, what: str, keep: int = 0) -> None:
+        """Wait, oldest first, until at most ``keep`` sends are outstanding (0: every message sent
+        has been taken by its receiver)."""
+        self.release()
+        while len(self.sends) > keep:
+            request, _, dest = self.sends[0]
+            self._wait(request, f"{what} to be received", dest, "by", reap=False)
+            self.sends.pop(0)
+            self.release()
 
     def allreduce_sum(self, values: np.ndarray, what: str) -> np.ndarray:
         """Element-wise float64 sum over every rank, without Horovod's coordination cycle (a few
@@ -123,7 +143,11 @@ class Link:
         return out
 
     def _wait(self, request, what: str, peer: int | None, towards: str = "from",
-              status: Any = None) -> None:
+              status: Any = None, reap: bool = True) -> None:
+        """Poll ``request`` until it completes (bounded); meanwhile release completed sends,
+        unless ``reap`` is False (waiting for one of them)."""
+        if reap:
+            self.release()
         if request.Test(status):
             return
         deadline = time.monotonic() + self.timeout + GRACE if self.timeout > 0 else None
@@ -131,6 +155,8 @@ class Link:
         pause = 1e-5
         with watchdog.waiting(f"{what}{source}"):
             while not request.Test(status):
+                if reap:
+                    self.release()
                 if deadline is not None and time.monotonic() > deadline:
                     watchdog.end_job(
                         f"rank {self.rank} waited {self.timeout + GRACE:.0f} s for {what}{source} "
