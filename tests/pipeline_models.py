@@ -1,7 +1,8 @@
 """Models for the pipeline tests, as ``--model pipeline_models:NAME`` names them (tests/ on the
 path): the built-in CNN's layers in float64 (the equivalence tests compare a pipeline with one
-process to float64 rounding), and models a pipeline cannot split or splits by the builder's own
-list."""
+process to float64 rounding), small CNNs with BatchNorm and Dropout in each stage (a stage's
+forward recomputed in its backward), and models a pipeline cannot split or splits by the
+builder's own list."""
 
 from __future__ import annotations
 
@@ -40,6 +41,38 @@ def tf_cnn64(input_shape, num_classes):
     for mine, theirs in zip(out.layers, layers, strict=True):
         mine.set_weights([w.astype("float64") for w in theirs.get_weights()])
     return out
+
+
+def torch_bn64(input_shape, num_classes):
+    """A small CNN with BatchNorm on both sides of its split and Dropout in each stage, in float64
+    (``--checkpoint-activations`` must train it as the run without the flag, bit for bit)."""
+    import torch
+    from torch import nn
+
+    class ToFloat64(nn.Module):
+        def forward(self, x):
+            return x.to(torch.float64)
+
+    channels, height, width = input_shape
+    flat = 16 * ((height - 4) // 2 - 4) // 2 * ((width - 4) // 2 - 4) // 2
+    return nn.Sequential(
+        ToFloat64(), nn.Conv2d(channels, 8, 5), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Dropout(0.1), nn.Conv2d(8, 16, 5), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(flat, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.25),
+        nn.Linear(64, num_classes)).double()
+
+
+def tf_bn(input_shape, num_classes):
+    """The Keras twin of :func:`torch_bn64` (float32): BatchNorm in both stages, Dropout too."""
+    import keras
+    from keras import layers
+
+    return keras.Sequential([
+        keras.Input(tuple(input_shape)), layers.Conv2D(8, 5), layers.BatchNormalization(),
+        layers.ReLU(), layers.MaxPooling2D(2), layers.Dropout(0.1), layers.Conv2D(16, 5),
+        layers.BatchNormalization(), layers.ReLU(), layers.MaxPooling2D(2), layers.Flatten(),
+        layers.Dense(64), layers.BatchNormalization(), layers.ReLU(), layers.Dropout(0.25),
+        layers.Dense(num_classes)])
 
 
 def torch_unsplittable(input_shape, num_classes):

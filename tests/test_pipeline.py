@@ -199,6 +199,7 @@ def test_the_summary_names_each_stage(fw, runs):
     (["--pipeline-stages", "2", "--timeline-out", "t.json"], "--timeline-out with --pipeline-stages"),
     (["--pipeline-stages", "0"], "--pipeline-stages must be a positive integer"),
     (["--schedule", "gpipe"], "--schedule works with --pipeline-stages 2 or more"),
+    (["--checkpoint-activations"], "--checkpoint-activations works with --pipeline-stages 2 or more"),
     (["--pipeline-stages", "2", "--schedule", "zigzag"], "invalid choice: 'zigzag'"),
     (["--strategy", "pipeline"], "--strategy pipeline needs --pipeline-stages S of 2 or more"),
     (["--strategy", "ring", "--pipeline-stages", "2"], "--strategy ring with --pipeline-stages 2"),

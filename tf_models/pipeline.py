@@ -5,11 +5,12 @@ x R replicas (``--pipeline-stages S``), the fixed-size job; the twin of
 ``model.fit`` runs one model's steps, so a pipeline's stage runs its own (:class:`Traced`): each
 micro-batch's forward pass, and later its backward pass from the next stage's gradient
 (``output_gradients``), which recomputes the forward pass under a tape with the same dropout
-masks; the gradients summed over the step's micro-batches; then one grouped allreduce in the
-stage's Horovod process set (:func:`tf_models.horovod_keras.allreduce_gradients`:
-``--fp16-allreduce`` and ``--gradient-predivide-factor`` as in the data-parallel step) and one
-``apply_gradients``.  The stage's first replica broadcasts its weights and optimizer state within
-the set.
+masks, BatchNorm's moving statistics not updated a second time (a Keras stage always keeps only
+its input, ``--checkpoint-activations`` or not); the gradients summed over the step's
+micro-batches; then one grouped allreduce in the stage's Horovod process set
+(:func:`tf_models.horovod_keras.allreduce_gradients`: ``--fp16-allreduce`` and
+``--gradient-predivide-factor`` as in the data-parallel step) and one ``apply_gradients``.  The
+stage's first replica broadcasts its weights and optimizer state within the set.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class KerasPipelineRun(pipeline.PipelineRun):
             self.saved[m] = x
             return None
         inp = self.inputs[m] if self.place.first else x
-        self.saved[m] = (inp, [v.read_value() for v in self.rng])  # the dropout draws' state
+        self.saved[m] = (inp, [tf.identity(v.value) for v in self.rng])  # the dropout draws' state
         return self.traced.forward(inp).numpy()
 
     def backward(self, m: int, grad):
@@ -110,7 +111,7 @@ class KerasPipelineRun(pipeline.PipelineRun):
             self.step_loss += float(total)
         else:
             inp, state = self.saved.pop(m)
-            now = [v.read_value() for v in self.rng]
+            now = [tf.identity(v.value) for v in self.rng]
             for v, s in zip(self.rng, state, strict=True):  # the forward's dropout masks again
                 v.assign(s)
             grads, back = self.traced.backward(inp, grad)
@@ -124,6 +125,12 @@ class KerasPipelineRun(pipeline.PipelineRun):
         grads = self.allreduce(self.grads)
         self.optimizer.apply_gradients(zip(grads, self.stage.trainable_variables, strict=True))
         return self.weights_finite()
+
+    @property
+    def recomputes(self) -> bool:
+        """Always: a stage's backward computes its forward again (:class:`Traced`), with or
+        without ``--checkpoint-activations``."""
+        return True
 
     # --- the epoch's end and the run's -------------------------------------------------------------
 
@@ -156,14 +163,17 @@ class Traced:
     """A stage's micro-batch maths as traced functions (any number of rows).  A stage before the
     last runs its forward pass, and later its backward pass from the next stage's gradient, which
     computes the forward pass again under a tape (a tape cannot outlive a ``tf.function`` call; the
-    run restores the dropout seed state first, so the masks are the forward's).  The last stage
-    runs forward, loss and backward in one call: nothing to keep between two calls.  Traced, the
+    run restores the dropout seed state first, so the masks are the forward's; the stage's
+    non-trainable weights, BatchNorm's moving statistics, are put back after it, so only the
+    forward updates them).  The last stage runs forward, loss and backward in one call: nothing
+    to keep between two calls.  Traced, the
     CNN at S = 2 ran 2.2x the images/s of eager stages keeping a tape per micro-batch, with the
     same weights (the same dropout masks); the measurement is in docs/pipeline.md."""
 
     def __init__(self, stage: keras.Model, info, inbound, outbound) -> None:
         self.stage = stage
         variables = stage.trainable_variables
+        state = stage.non_trainable_weights  # BatchNorm's moving statistics (not the seed state)
         x_spec = (tf.TensorSpec([None, *info.input_shape], info.input_dtype) if inbound is None
                   else tf.TensorSpec([None, *inbound.shape], tf.as_dtype(inbound.dtype)))
         watch = inbound is not None
@@ -181,11 +191,19 @@ class Traced:
                                                                 tf.as_dtype(outbound.dtype))],
                          jit_compile=False)
             def backward(x, grad):
+                # The recompute runs in training mode (batch statistics, the forward's dropout
+                # masks) but must not update the layers' state a second time: BatchNorm's moving
+                # statistics, any layer's non-trainable weights, are read before it and put back
+                # after (the ops on each variable run in program order inside a tf.function).
+                kept = [tf.identity(v.value) for v in state]
                 with tf.GradientTape() as tape:
                     if watch:
                         tape.watch(x)
                     out = stage(x, training=True)
-                return grads_of(tape, out, x, output_gradients=grad)
+                got = grads_of(tape, out, x, output_gradients=grad)
+                for v, k in zip(state, kept, strict=True):
+                    v.assign(k)
+                return got
 
             self.backward = backward
 

@@ -6,9 +6,12 @@ initialised with one process set per stage (the ranks holding the same layers, o
 the stage's optimizer is Horovod's ``DistributedOptimizer`` restricted to that set (its fusion,
 ``--fp16-allreduce``, ``--gradient-predivide-factor`` as in a data-parallel run; it allreduces a
 gradient once all M x K micro-batches' backward passes have added to it), and the stage's first
-replica broadcasts its weights and momentum within the set.  Activations and their gradients
-travel between a replica's stages over MPI (:mod:`ringtrain.strategies.pipeline.transport`, which says why
-not ``torch.distributed.pipelining``); the schedule, metrics, checkpoints and the rest are the
+replica broadcasts its weights and momentum within the set.  With ``--checkpoint-activations`` a
+stage keeps only each micro-batch's input and computes its forward again in the backward
+(:func:`recompute`: the same dropout masks, BatchNorm's running statistics updated once).
+Activations and their gradients travel between a replica's stages over MPI
+(:mod:`ringtrain.strategies.pipeline.transport`, which says why not
+``torch.distributed.pipelining``); the schedule, metrics, checkpoints and the rest are the
 shared :class:`~ringtrain.strategies.pipeline.run.PipelineRun`'s.  The shared loop
 (:class:`~ringtrain.training.fixed_loop.FixedLoop`) trains it.
 """
@@ -16,6 +19,8 @@ shared :class:`~ringtrain.strategies.pipeline.run.PipelineRun`'s.  The shared lo
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 
 import horovod.torch as hvd
 import numpy as np
@@ -115,24 +120,35 @@ class TorchPipelineRun(pipeline.PipelineRun):
             inp = self.inputs[m]
         else:
             inp = torch.from_numpy(x).to(self.device).requires_grad_()
-        out = self.stage(inp)
+        again = self.args.checkpoint_activations
+        with torch.no_grad() if again else contextlib.nullcontext():  # again: no graph kept
+            state = rng_state(self.device) if again else None
+            out = self.stage(inp)
+            total = self.loss_of(m, out) if self.place.last else None
         if self.place.last:
-            # The examples' summed loss over the step's rows: the M micro-batches' gradients add
-            # up to the step's mean gradient (the stage set's allreduce then averages replicas).
-            total = F.cross_entropy(out, self.labels[m], reduction="sum")
             self.loss_total.add_(total.detach())
-            self.saved[m] = (inp, total / self.rows_total)
-            return None
-        self.saved[m] = (inp, out)
-        return out.detach().cpu().numpy()
+        # Kept until the backward: the input, and the graph (the output; the last stage's loss)
+        # or, to compute it again, the random state the forward started from.
+        self.saved[m] = (inp, state if again else total / self.rows_total if self.place.last
+                         else out)
+        return None if self.place.last else out.detach().cpu().numpy()
 
     def backward(self, m: int, grad):
-        inp, out = self.saved.pop(m)
-        if self.place.last:
-            out.backward()
+        inp, kept = self.saved.pop(m)
+        grad = None if self.place.last else torch.from_numpy(grad).to(self.device)
+        if not self.args.checkpoint_activations:
+            kept.backward(grad)
         else:
-            out.backward(torch.from_numpy(grad).to(self.device))
+            with buffers_kept(self.stage):  # the forward updated them; the recompute must not
+                out = recompute(self.stage, inp, kept)
+                (self.loss_of(m, out) / self.rows_total if self.place.last else out).backward(grad)
         return None if self.place.first else inp.grad.cpu().numpy()
+
+    def loss_of(self, m: int, logits: torch.Tensor) -> torch.Tensor:
+        """The last stage's micro-batch ``m``: its examples' summed loss (divided by the step's
+        rows, the M micro-batches' gradients add up to the step's mean gradient; the stage set's
+        allreduce then averages the replicas)."""
+        return F.cross_entropy(logits, self.labels[m], reduction="sum")
 
     def end_step(self) -> bool:
         self.optimizer.step()
@@ -155,6 +171,44 @@ class TorchPipelineRun(pipeline.PipelineRun):
 
     def stage_param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.stage.parameters())
+
+
+def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The random state a forward pass draws its dropout masks from: the CPU's, and the GPU's."""
+    return (torch.get_rng_state(),
+            torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def recompute(stage: torch.nn.Module, inp: torch.Tensor, state) -> torch.Tensor:
+    """``--checkpoint-activations``: a micro-batch's forward pass again, with its graph, in its
+    backward, from the random state of the micro-batch's forward (``state``, from
+    :func:`rng_state`: the same dropout masks; the run's own random state is left as it was).
+    It runs in training mode, as the forward: the caller keeps the buffers
+    (:func:`buffers_kept`).
+
+    By hand rather than ``torch.utils.checkpoint``: that one's first call imports
+    ``torch._dynamo`` and with it Triton, which ends a process that has loaded TensorFlow
+    (a segmentation fault; the test suite runs both frameworks in one process)."""
+    cpu, gpu = state
+    with torch.random.fork_rng(devices=[inp.device] if gpu is not None else []):
+        torch.set_rng_state(cpu)
+        if gpu is not None:
+            torch.cuda.set_rng_state(gpu, inp.device)
+        return stage(inp)
+
+
+@contextlib.contextmanager
+def buffers_kept(stage: torch.nn.Module) -> Iterator[None]:
+    """The stage's buffers put back as they were, after a recompute and its backward: BatchNorm's
+    running statistics and batch count, which the micro-batch's forward updated, are not updated
+    a second time.  (Not before the backward: BatchNorm's backward checks that the statistics it
+    saved have not changed in place.)"""
+    buffers = list(stage.buffers())
+    kept = [b.detach().clone() for b in buffers]
+    yield
+    with torch.no_grad():
+        for b, k in zip(buffers, kept, strict=True):
+            b.copy_(k)
 
 
 class _StageEval:

@@ -1,5 +1,6 @@
-"""The pipeline's flags (``--pipeline-stages``, ``--microbatches``, ``--schedule``) and their
-checks; ``--pipeline-stages S`` with S > 1 chooses this strategy."""
+"""The pipeline's flags (``--pipeline-stages``, ``--microbatches``, ``--schedule``,
+``--checkpoint-activations``) and their checks; ``--pipeline-stages S`` with S > 1 chooses this
+strategy."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", choices=SCHEDULES, default=None,
                    help="with --pipeline-stages: gpipe (all forwards, then all backwards) or "
                         "1f1b (one forward, one backward: fewer activations held; the default)")
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="with --pipeline-stages: a stage keeps only its input between a "
+                        "micro-batch's forward and backward, and computes the forward again in "
+                        "the backward (less memory, about one more forward of compute; "
+                        "PyTorch; Keras stages always do)")
 
 
 def implied(args: argparse.Namespace) -> bool:
@@ -45,6 +51,10 @@ def check_unused(args: argparse.Namespace) -> None:
         if value is not None:
             raise UserError(f"{flag} works with --pipeline-stages 2 or more; add it or drop "
                             f"{flag}")
+    if args.checkpoint_activations:
+        raise UserError("--checkpoint-activations works with --pipeline-stages 2 or more (it "
+                        "recomputes a stage's forward pass); add it or drop "
+                        "--checkpoint-activations")
 
 
 def validate(args: argparse.Namespace) -> None:

@@ -296,12 +296,19 @@ class PipelineRun(FrameworkRun):
 
     # --- what the run says about itself ------------------------------------------------------------
 
+    @property
+    def recomputes(self) -> bool:
+        """Whether a stage keeps only its input between a micro-batch's forward and backward and
+        computes the forward again in the backward (``--checkpoint-activations``)."""
+        return bool(self.args.checkpoint_activations)
+
     def facts(self) -> dict[str, Any]:
         a, place = self.args, self.place
         micro = a.microbatches * a.backward_passes_per_step
         return {"stages": place.stages, "replicas": place.replicas, "schedule": a.schedule,
                 "microbatches": a.microbatches, "microbatch_size": self.micro,
                 "ideal_bubble": bubble_formula(place.stages, micro),
+                "checkpoint_activations": self.recomputes,
                 # the schedule's bound on each stage's held micro-batches, from its op list
                 # (1F1B: S - s; GPipe: M x K); the ranks' measured peaks are beside their times
                 "in_flight_formula": [in_flight(stage_ops(a.schedule, place.stages, s, micro))
@@ -323,7 +330,8 @@ class PipelineRun(FrameworkRun):
         f = self.facts()
         return [f"pipeline: {f['stages']} stages x {f['replicas']} replica(s), rank = replica x "
                 f"{f['stages']} + stage; {f['schedule']}, {f['microbatches']} micro-batches of "
-                f"{f['microbatch_size']}; ideal bubble (S-1)/(M+S-1) = {f['ideal_bubble']:.1%}",
+                f"{f['microbatch_size']}; ideal bubble (S-1)/(M+S-1) = {f['ideal_bubble']:.1%}"
+                + ("; forward recomputed in the backward" if f["checkpoint_activations"] else ""),
                 *(s.line() for s in self.stages)]
 
     def summary_fields(self) -> dict[str, Any]:
