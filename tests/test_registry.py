@@ -73,3 +73,32 @@ def test_ray_is_told_why_a_strategy_needs_mpi():
     assert registry.needs_mpi(parse()) is None
     assert "Gloo" in registry.needs_mpi(parse("--strategy", "ps"))
     assert "Gloo" in registry.needs_mpi(parse("--pipeline-stages", "2"))
+
+
+@pytest.mark.parametrize("stages,batch,micro", [
+    (2, 64, 8),   # the smallest divisor of the batch >= 4S
+    (4, 64, 16),
+    (3, 64, 16),  # 12 does not divide 64
+    (2, 6, 3),    # a batch below 4S: the most micro-batches of at least 2 rows
+    (4, 4, 2),
+    (2, 1, 1),
+])
+def test_the_default_micro_batch_count_is_the_smallest_divisor_of_the_batch_from_4s(stages, batch,
+                                                                                    micro):
+    args = parse("--pipeline-stages", str(stages), "--batch-size", str(batch))
+    assert (args.microbatches, args.microbatches_default) == (micro, True)
+    assert registry.validate(args).microbatches_default  # validated twice: still the default
+
+
+def test_an_explicit_micro_batch_count_is_kept():
+    args = parse("--pipeline-stages", "2", "--batch-size", "64", "--microbatches", "2")
+    assert (args.microbatches, args.microbatches_default) == (2, False)
+
+
+def test_the_banner_says_when_m_is_the_default():
+    from ringtrain.strategies.pipeline.options import microbatches_note
+
+    assert microbatches_note(parse("--pipeline-stages", "2")) == " (the default: M >= 4S)"
+    assert microbatches_note(parse("--pipeline-stages", "2", "--batch-size", "6")) == (
+        " (the default: the batch is below 4S)")
+    assert microbatches_note(parse("--pipeline-stages", "2", "--microbatches", "8")) == ""

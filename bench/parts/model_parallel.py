@@ -208,8 +208,10 @@ def memory(runner: Runner, out: Path) -> dict:
             old.unlink()
         wrap = [util.PY, "-m", "bench.workers.memlimit", "--budget-mb", str(cfg.memory_budget_mb),
                 "--report", str(report), "--"]
+        # M = S, as the recorded memory cells ran (before the default became M >= 4S)
         args = [*runner.steps_args(cfg.memory_steps, 32), "--model", MODEL,
-                "--pipeline-stages", str(stages), "--stall-timeout", "30"]
+                "--pipeline-stages", str(stages), "--stall-timeout", "30",
+                *(["--microbatches", str(stages)] if stages > 1 else [])]
         # A fixed 16 MiB fusion buffer (Horovod's default is 64 MiB, allocated as two): the same
         # in both cells, and a smaller share of the budget.
         rec = runner.trainer(f"memory-s{stages}", 2, args, cfg.memory_mlp, wrap=wrap,

@@ -27,7 +27,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "data-parallel (default 1: every rank holds the whole model)")
     g.add_argument("--microbatches", type=int, default=None, metavar="M",
                    help="with --pipeline-stages: micro-batches per batch, M must divide "
-                        "--batch-size (default S)")
+                        "--batch-size (default: the smallest divisor of --batch-size that is at "
+                        "least 4S, so the idle bubble (S-1)/(M+S-1) is under 20%%; for a batch "
+                        "below 4S, the most micro-batches of at least 2 rows)")
     g.add_argument("--schedule", choices=SCHEDULES, default=None,
                    help="with --pipeline-stages: gpipe (all forwards, then all backwards) or "
                         "1f1b (one forward, one backward: fewer activations held; the default)")
@@ -57,13 +59,35 @@ def check_unused(args: argparse.Namespace) -> None:
                         "--checkpoint-activations")
 
 
+def default_microbatches(stages: int, batch_size: int) -> int:
+    """The default M: the smallest divisor of the batch size that is at least 4S (GPipe: the
+    bubble (S-1)/(M+S-1) is small from M >= 4S on); for a batch below that, the largest divisor
+    that leaves every micro-batch at least 2 rows (BatchNorm cannot train on 1), else 1."""
+    return next((d for d in range(4 * stages, batch_size + 1) if batch_size % d == 0),
+                max((d for d in range(1, batch_size // 2 + 1) if batch_size % d == 0),
+                    default=1))
+
+
+def microbatches_note(args: argparse.Namespace) -> str:
+    """What the banner adds after "M micro-batches of K" when M is the default."""
+    if not getattr(args, "microbatches_default", False):
+        return ""
+    if args.microbatches >= 4 * args.pipeline_stages:
+        return " (the default: M >= 4S)"
+    return " (the default: the batch is below 4S)"
+
+
 def validate(args: argparse.Namespace) -> None:
     """The pipeline runs: its flags' checks; fills in their defaults."""
     stages = args.pipeline_stages
     if stages < 2:
         raise UserError(f"--strategy pipeline needs --pipeline-stages S of 2 or more (the model "
                         f"split into S stages), got {stages}; add --pipeline-stages 2")
-    args.microbatches = stages if args.microbatches is None else args.microbatches
+    if args.microbatches is None:  # recorded for the banner (validate may run twice)
+        args.microbatches = default_microbatches(stages, args.batch_size)
+        args.microbatches_default = True
+    elif not hasattr(args, "microbatches_default"):
+        args.microbatches_default = False
     args.schedule = args.schedule or "1f1b"
     if args.microbatches < 1:
         raise UserError(f"--microbatches must be a positive integer, got {args.microbatches}")

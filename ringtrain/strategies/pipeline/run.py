@@ -40,6 +40,7 @@ from ringtrain.errors import UserError, printable
 from ringtrain.output.progress import Loss
 from ringtrain.strategies.pipeline import transport
 from ringtrain.strategies.pipeline.engine import Boundary, EvalRelay, run_step
+from ringtrain.strategies.pipeline.options import microbatches_note
 from ringtrain.strategies.pipeline.partition import Stage
 from ringtrain.strategies.pipeline.placement import Placement, check_world
 from ringtrain.strategies.pipeline.schedule import bubble_formula, in_flight, stage_ops
@@ -330,7 +331,9 @@ class PipelineRun(FrameworkRun):
         f = self.facts()
         return [f"pipeline: {f['stages']} stages x {f['replicas']} replica(s), rank = replica x "
                 f"{f['stages']} + stage; {f['schedule']}, {f['microbatches']} micro-batches of "
-                f"{f['microbatch_size']}; ideal bubble (S-1)/(M+S-1) = {f['ideal_bubble']:.1%}"
+                f"{f['microbatch_size']}"
+                + microbatches_note(self.args)
+                + f"; ideal bubble (S-1)/(M+S-1) = {f['ideal_bubble']:.1%}"
                 + ("; forward recomputed in the backward" if f["checkpoint_activations"] else ""),
                 *(s.line() for s in self.stages)]
 
