@@ -102,3 +102,19 @@ def test_the_banner_says_when_m_is_the_default():
     assert microbatches_note(parse("--pipeline-stages", "2", "--batch-size", "6")) == (
         " (the default: the batch is below 4S)")
     assert microbatches_note(parse("--pipeline-stages", "2", "--microbatches", "8")) == ""
+
+
+def test_a_strategys_own_summary_record_needs_no_change_to_the_summary():
+    """What a run object's summary_fields() returns lands in --metrics-out: a declared field (the
+    pipeline's, the servers') in its place, any other at the document's top level."""
+    import json
+
+    from ringtrain.output.summary import Summary
+
+    summary = Summary(framework="torch", versions={}, controller="mpi", world_size=2,
+                      batch_size_per_rank=8, global_batch_size=16, base_lr=0.1, effective_lr=0.2,
+                      lr_scaling="linear")
+    summary.set_fields({"pipeline": {"stages": 2}, "newstrategy": {"shards": 3}})
+    document = json.loads(summary.to_json())
+    assert document["pipeline"] == {"stages": 2} and document["ps"] is None
+    assert document["newstrategy"] == {"shards": 3} and "extra" not in document

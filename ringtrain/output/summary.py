@@ -78,6 +78,20 @@ class Summary:
     pipeline: dict[str, Any] | None = None
     host: dict[str, Any] = field(default_factory=lambda: {
         "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()})
+    # A strategy's own fields that the document does not declare above (its run object's
+    # summary_fields), written at the document's top level: a new strategy adds its record
+    # without a change here.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def set_fields(self, fields: dict[str, Any]) -> None:
+        """A strategy's fields: the declared ones set, any other kept in :attr:`extra`."""
+        for name, value in fields.items():
+            if name in self.__dataclass_fields__ and name != "extra":
+                setattr(self, name, value)
+            else:
+                self.extra[name] = value
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        document = asdict(self)
+        document.update(document.pop("extra"))
+        return json.dumps(document, indent=2)

@@ -147,8 +147,7 @@ class FixedLoop:
                 else exact_test_metrics(self.world, self.run.eval_sums()))
         if self.run.tools is not None:  # --autotune: what Horovod chose, said and kept by rank 0
             self.summary.autotune = self.run.tools.finish(self.world.rank, self.progress.info)
-        for name, value in self.run.summary_fields().items():
-            setattr(self.summary, name, value)
+        self.summary.set_fields(self.run.summary_fields())
         return summaries.finish(self.world, self.progress, self.args, self.summary, test=test,
                                 train_seconds=self.train_seconds, images_seen=self.images_seen,
                                 params=self.run.parameters())

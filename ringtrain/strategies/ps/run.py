@@ -392,10 +392,14 @@ class ParameterServerRun(FrameworkRun):
 
     def _report_run(self) -> None:
         """The summary's ``ps`` record on every rank (rank 0 writes it) and rank 0's lines."""
-        record = summary_record(self.books, self.cfg, self.fixed.steps, self.lost)
-        self.fixed.summary.ps = record
-        for line in report_lines(record):
+        self.record = summary_record(self.books, self.cfg, self.fixed.steps, self.lost)
+        for line in report_lines(self.record):
             self.fixed.progress.info(line)
+
+    def summary_fields(self) -> dict[str, Any]:
+        """The ``ps`` record, once the epochs ran (none when resumed at the end)."""
+        record = getattr(self, "record", None)
+        return {"ps": record} if record is not None else {}
 
 
 def summary_record(books: list[dict[str, Any]], cfg: ps.Config, steps: int,
