@@ -264,6 +264,25 @@ class NumpyStage:
         return None if self.first else back
 
 
+def on_threads(ranks: int, body, timeout: float = 60):
+    """``body(rank)`` on one thread per rank; their results."""
+    out, errors = [None] * ranks, []
+
+    def run(rank):
+        try:
+            out[rank] = body(rank)
+        except BaseException as err:  # noqa: BLE001 - the test thread reports it
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    return out
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("rows", [[4], [4, 4], [4, 4, 4, 4], [4, 4, 2], [1] * 10])
 def test_s_stages_as_threads_give_one_process_full_batch_gradient(schedule, rows):
@@ -277,22 +296,12 @@ def test_s_stages_as_threads_give_one_process_full_batch_gradient(schedule, rows
     wire, stages = Wire(), len(split)
     works = [NumpyStage(split[s], s == 0, s == stages - 1, x, y, rows) for s in range(stages)]
     links = [FakeLink(wire, s) for s in range(stages)]
-    errors = []
-
     def stage(s):
-        try:
-            place = Placement(stages, stages, s)
-            run_step(place, links[s], works[s], stage_ops(schedule, stages, s, len(rows)), rows,
-                     cuts[s - 1] if s else None, cuts[s] if s < stages - 1 else None)
-        except Exception as err:  # noqa: BLE001 - the test thread reports it
-            errors.append(err)
+        place = Placement(stages, stages, s)
+        run_step(place, links[s], works[s], stage_ops(schedule, stages, s, len(rows)), rows,
+                 cuts[s - 1] if s else None, cuts[s] if s < stages - 1 else None)
 
-    threads = [threading.Thread(target=stage, args=(s,)) for s in range(stages)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=20)
-    assert not errors and not any(t.is_alive() for t in threads), errors
+    on_threads(stages, stage, timeout=20)
     for s in range(stages):
         assert works[s].log == stage_ops(schedule, stages, s, len(rows)), "ran its schedule in order"
         # S + 1 ahead for each of activations and gradients; posting all would be 2M.
@@ -619,25 +628,6 @@ def links_over(mpi: ThreadMPI, ranks: int):
     from ringtrain.strategies.pipeline.transport import Link
 
     return [Link(mpi.comm(r), r, timeout=30.0) for r in range(ranks)]
-
-
-def on_threads(ranks: int, body):
-    """``body(rank)`` on one thread per rank; their results."""
-    out, errors = [None] * ranks, []
-
-    def run(rank):
-        try:
-            out[rank] = body(rank)
-        except BaseException as err:  # noqa: BLE001 - the test thread reports it
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors and not any(t.is_alive() for t in threads), errors
-    return out
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

@@ -11,12 +11,13 @@ import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ringtrain.output.files import atomic_write_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -176,25 +177,11 @@ def read_json(path: Path) -> Any:
 
 
 def write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> None:
-    """Every file bench writes, through here: a fresh temporary file in the target's folder
-    (``mkstemp``: ``O_CREAT|O_EXCL``, so never a name someone planted, link or not), ``mode`` set
-    on it, then ``os.replace`` onto the path.  A symlink planted at ``path`` is replaced, not
-    followed (a plain ``write_text`` wrote through it: as root, into any file of the system), and
-    a reader sees the old file or the new one, never half of it.  Like
-    :func:`ringtrain.output.files.atomic_write_bytes`, but keeping a results file's usual mode
-    (mkstemp's is 0600) and without its fsync (results are not checkpoints)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            os.fchmod(fh.fileno(), mode)
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Every file bench writes, through here: the library's atomic write (a fresh ``mkstemp`` file
+    renamed onto the path, so a symlink planted there is replaced, not followed; a plain
+    ``write_text`` wrote through it, as root into any file of the system), keeping a results
+    file's usual mode and without a checkpoint's fsync."""
+    atomic_write_bytes(path, data, mode=mode, durable=False)
 
 
 def write_text(path: str | os.PathLike, text: str, mode: int = 0o644) -> None:

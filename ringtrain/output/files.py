@@ -10,16 +10,23 @@ from pathlib import Path
 from ringtrain.errors import UserError
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write-then-rename in the target folder: readers see the old file or the new, never half."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None = None,
+                       durable: bool = True) -> None:
+    """Write-then-rename in the target folder: readers see the old file or the new, never half.
+    The new file is ``mkstemp``'s (``O_CREAT|O_EXCL``: never a name someone planted), so a symlink
+    planted at ``path`` is replaced, not followed.  ``mode``: the file's permissions (mkstemp's
+    0600 otherwise); ``durable``: fsync before the rename (checkpoints; not a report)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
+            if mode is not None:
+                os.fchmod(fh.fileno(), mode)
             fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
