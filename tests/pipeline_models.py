@@ -121,3 +121,53 @@ def tf_stages(input_shape, num_classes):
     first = keras.Sequential([keras.Input(tuple(input_shape)), keras.layers.Flatten(),
                               keras.layers.Dense(32, activation="relu")])
     return [first, keras.Sequential([keras.Input((32,)), keras.layers.Dense(num_classes)])]
+
+
+def torch_bnd64(input_shape, num_classes):
+    """:func:`torch_bn64` whose Dropout layers each draw from their own generator (as every Keras
+    Dropout layer does from its own seed): layer L's i-th call draws the same mask in one process
+    as in the stage that holds it, whatever the other stages draw.  PyTorch's ``nn.Dropout``
+    draws from the process's one generator, whose order in one process (stage after stage, per
+    micro-batch) no pipeline of S processes can repeat.  BatchNorm in the first, a middle and the
+    last stage at S = 3 and 4."""
+    import torch
+    from torch import nn
+
+    class ToFloat64(nn.Module):
+        def forward(self, x):
+            return x.to(torch.float64)
+
+    class LayerDropout(nn.Module):
+        def __init__(self, p: float, seed: int) -> None:
+            super().__init__()
+            self.p, self.generator = p, torch.Generator("cpu").manual_seed(seed)
+
+        def forward(self, x):
+            if not self.training:
+                return x
+            keep = torch.rand(x.shape, generator=self.generator, dtype=x.dtype) >= self.p
+            return x * keep / (1 - self.p)
+
+    channels, height, width = input_shape
+    flat = 16 * ((height - 4) // 2 - 4) // 2 * ((width - 4) // 2 - 4) // 2
+    return nn.Sequential(
+        ToFloat64(), nn.Conv2d(channels, 8, 5), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        LayerDropout(0.1, 1), nn.Conv2d(8, 16, 5), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(flat, 64), nn.BatchNorm1d(64), nn.ReLU(), LayerDropout(0.25, 2),
+        nn.Linear(64, num_classes)).double()
+
+
+def tf_bnd64(num_classes):
+    """The Keras twin of :func:`torch_bnd64` in float64 (Keras' own Dropout: each layer draws
+    from its own seed, fixed when the layer is made), unbuilt: a stage builds its own layers."""
+    import keras
+    from keras import layers
+
+    f64 = {"dtype": "float64"}
+    return keras.Sequential([  # unbuilt: no keras.Input
+        layers.Conv2D(8, 5, **f64),
+        layers.BatchNormalization(**f64), layers.ReLU(**f64), layers.MaxPooling2D(2, **f64),
+        layers.Dropout(0.1, **f64), layers.Conv2D(16, 5, **f64), layers.BatchNormalization(**f64),
+        layers.ReLU(**f64), layers.MaxPooling2D(2, **f64), layers.Flatten(**f64),
+        layers.Dense(64, **f64), layers.BatchNormalization(**f64), layers.ReLU(**f64),
+        layers.Dropout(0.25, **f64), layers.Dense(num_classes, **f64)])
