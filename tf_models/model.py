@@ -42,56 +42,88 @@ def _torch_init(fan_in: int) -> dict:
     }
 
 
-def build_cnn(dropout: float = 0.5, dtype_policy: str | None = None,
-                input_shape: tuple[int, int, int] = MNIST_SHAPE, num_classes: int = 10,
-                name: str = "cnn") -> keras.Model:
-    """The CNN, built (its variables exist) and returning logits.
-
-    ``dtype_policy`` (e.g. ``"mixed_float16"``) is for ``--amp``; the last layer always returns
-    float32 logits so the loss and the softmax never run in half precision.
-    """
+def cnn_layers(dropout: float = 0.5, dtype_policy: str | None = None,
+               input_shape: tuple[int, int, int] = MNIST_SHAPE,
+               num_classes: int = 10) -> list[keras.layers.Layer]:
+    """The CNN's layers, made (their initializers' seeds drawn, in this order) but not built."""
     policy = dtype_policy or keras.config.dtype_policy().name
     layers = keras.layers
     height, width, channels = input_shape
     flat = ((height - 4) // 2 - 4) // 2 * ((width - 4) // 2 - 4) // 2 * 64
-    inputs = keras.Input(shape=input_shape, name="image")
-    x = layers.Conv2D(32, 5, activation="relu", name="conv1", dtype=policy,
-                      **_torch_init(5 * 5 * channels))(inputs)
-    x = layers.MaxPooling2D(2, name="pool1", dtype=policy)(x)
-    x = layers.Conv2D(64, 5, activation="relu", name="conv2", dtype=policy,
-                      **_torch_init(5 * 5 * 32))(x)
-    x = layers.MaxPooling2D(2, name="pool2", dtype=policy)(x)
-    x = layers.Flatten(name="flatten", dtype=policy)(x)
-    x = layers.Dense(128, activation="relu", name="fc1", dtype=policy, **_torch_init(flat))(x)
-    x = layers.Dropout(dropout, name="dropout", dtype=policy)(x)
-    logits = layers.Dense(num_classes, name="fc2", dtype="float32", **_torch_init(128))(x)
-    return keras.Model(inputs, logits, name=name)
+    return [
+        layers.Conv2D(32, 5, activation="relu", name="conv1", dtype=policy,
+                      **_torch_init(5 * 5 * channels)),
+        layers.MaxPooling2D(2, name="pool1", dtype=policy),
+        layers.Conv2D(64, 5, activation="relu", name="conv2", dtype=policy,
+                      **_torch_init(5 * 5 * 32)),
+        layers.MaxPooling2D(2, name="pool2", dtype=policy),
+        layers.Flatten(name="flatten", dtype=policy),
+        layers.Dense(128, activation="relu", name="fc1", dtype=policy, **_torch_init(flat)),
+        layers.Dropout(dropout, name="dropout", dtype=policy),
+        layers.Dense(num_classes, name="fc2", dtype="float32", **_torch_init(128))]
+
+
+def mlp_layers(dropout: float = 0.5, dtype_policy: str | None = None,
+               input_shape: tuple[int, ...] = MNIST_SHAPE,
+               num_classes: int = 10) -> list[keras.layers.Layer]:
+    """The MLP's layers, made but not built (as :func:`cnn_layers`)."""
+    policy = dtype_policy or keras.config.dtype_policy().name
+    layers = keras.layers
+    return [
+        layers.Flatten(name="flatten", dtype=policy),
+        layers.Dense(128, activation="relu", name="fc1", dtype=policy,
+                     **_torch_init(math.prod(input_shape))),
+        layers.Dropout(dropout, name="dropout", dtype=policy),
+        layers.Dense(num_classes, name="fc2", dtype="float32", **_torch_init(128))]
+
+
+def _assembled(layers: list[keras.layers.Layer], input_shape, name: str,
+               built: bool) -> keras.Model:
+    """The layers as a functional model, built (what every strategy but a pipeline trains), or as
+    an unbuilt ``Sequential`` (a pipeline builds only its rank's stage: tf_models/stages.py).
+    Building draws no seed (each initializer drew its own when made), so both hold the same
+    weights once built."""
+    if not built:
+        return keras.Sequential(layers, name=name)
+    x = inputs = keras.Input(shape=input_shape, name="image")
+    for layer in layers:
+        x = layer(x)
+    return keras.Model(inputs, x, name=name)
+
+
+def build_cnn(dropout: float = 0.5, dtype_policy: str | None = None,
+              input_shape: tuple[int, int, int] = MNIST_SHAPE, num_classes: int = 10,
+              name: str = "cnn", built: bool = True) -> keras.Model:
+    """The CNN, built (its variables exist; ``built=False``: not yet) and returning logits.
+
+    ``dtype_policy`` (e.g. ``"mixed_float16"``) is for ``--amp``; the last layer always returns
+    float32 logits so the loss and the softmax never run in half precision.
+    """
+    return _assembled(cnn_layers(dropout, dtype_policy, input_shape, num_classes), input_shape,
+                      name, built)
 
 
 def build_mlp(dropout: float = 0.5, dtype_policy: str | None = None,
-              input_shape: tuple[int, ...] = MNIST_SHAPE, num_classes: int = 10) -> keras.Model:
-    """The MLP, built and returning logits (float32, as :func:`build_cnn`)."""
-    policy = dtype_policy or keras.config.dtype_policy().name
-    layers = keras.layers
-    inputs = keras.Input(shape=input_shape, name="image")
-    x = layers.Flatten(name="flatten", dtype=policy)(inputs)
-    x = layers.Dense(128, activation="relu", name="fc1", dtype=policy,
-                     **_torch_init(math.prod(input_shape)))(x)
-    x = layers.Dropout(dropout, name="dropout", dtype=policy)(x)
-    logits = layers.Dense(num_classes, name="fc2", dtype="float32", **_torch_init(128))(x)
-    return keras.Model(inputs, logits, name="mlp")
+              input_shape: tuple[int, ...] = MNIST_SHAPE, num_classes: int = 10,
+              built: bool = True) -> keras.Model:
+    """The MLP, built (``built=False``: not yet) and returning logits (float32, as
+    :func:`build_cnn`)."""
+    return _assembled(mlp_layers(dropout, dtype_policy, input_shape, num_classes), input_shape,
+                      "mlp", built)
 
 
 def instantiate(spec: str, dataset, dropout: float, dtype_policy: str | None = None,
-                allowed: tuple[type, ...] = (keras.Model,), wanted: str = "keras.Model"):
-    """A built-in model, or what the user's builder returns if it is one of ``allowed`` (a
-    pipeline also takes a list of stages); anything else is one :class:`UserError` line."""
+                allowed: tuple[type, ...] = (keras.Model,), wanted: str = "keras.Model",
+                built: bool = True):
+    """A built-in model (``built=False``: its layers not yet built, for a pipeline), or what the
+    user's builder returns if it is one of ``allowed`` (a pipeline also takes a list of stages);
+    anything else is one :class:`UserError` line."""
     model_spec.check_builtin_input(spec, dataset)
     shape, classes = tuple(dataset.input_shape), dataset.num_classes
     if spec == "cnn":
-        return build_cnn(dropout, dtype_policy, shape, classes)
+        return build_cnn(dropout, dtype_policy, shape, classes, built=built)
     if spec == "mlp":
-        return build_mlp(dropout, dtype_policy, shape, classes)
+        return build_mlp(dropout, dtype_policy, shape, classes, built=built)
     model = model_spec.call_builder(spec, shape, classes)
     if not isinstance(model, allowed):
         raise model_spec.wrong_type(spec, model, "tf", wanted)

@@ -54,11 +54,14 @@ class KerasPipelineRun(pipeline.PipelineRun):
         self.open_pipeline(args)
         # Seeded per replica: replica 0's stages together are the model one process builds with
         # --seed; other replicas draw other weights on purpose, the broadcast makes them agree.
+        # Only this rank's stage gets weights where the model allows (tf_models/stages.py).
         keras.utils.set_random_seed(args.seed + self.place.replica)
         split = startup_checks.every_rank(self.world, lambda: stages.build_split(
-            args.model, self.data.info, args.dropout, self.place.stages))
+            args.model, self.data.info, args.dropout, self.place.stages, keep=self.place.stage,
+            fits=self.fits))
         self.stage = split.models[self.keep(split.stages, split.cuts)]
-        del split.models  # the other stages' layers go
+        self.weights_built = split.built
+        del split.models  # the other stages' layers go (when built whole)
         self.identity = RunIdentity.of(args, "tf", VERSIONS, self.data.info, split.param_count,
                                        strategy="pipeline")
         startup_checks.check_output_folders(self.world, args, self.identity.param_count)
@@ -97,8 +100,15 @@ class KerasPipelineRun(pipeline.PipelineRun):
         self.grads = None
 
     def forward(self, m: int, x):
-        if self.place.last:  # its forward, loss and backward run together, in its backward op
-            self.saved[m] = x
+        if self.place.last:
+            # Forward, loss and backward run together, in the forward op: the micro-batches' draws
+            # (dropout masks, BatchNorm's moving statistics) then come in micro-batch order under
+            # every schedule, as in one process (GPipe runs the backward ops in reverse order);
+            # what waits for the backward op is the gradient to send, the size of the input.
+            grads, back, total = self.traced.loss_backward(x, self.labels[m], self.rows_total)
+            self.step_loss += float(total)
+            self.add_grads(grads)
+            self.saved[m] = back
             return None
         inp = self.inputs[m] if self.place.first else x
         self.saved[m] = (inp, [tf.identity(v.value) for v in self.rng])  # the dropout draws' state
@@ -106,9 +116,7 @@ class KerasPipelineRun(pipeline.PipelineRun):
 
     def backward(self, m: int, grad):
         if self.place.last:
-            grads, back, total = self.traced.loss_backward(
-                self.saved.pop(m), self.labels[m], self.rows_total)
-            self.step_loss += float(total)
+            back = self.saved.pop(m)
         else:
             inp, state = self.saved.pop(m)
             now = [tf.identity(v.value) for v in self.rng]
@@ -117,9 +125,12 @@ class KerasPipelineRun(pipeline.PipelineRun):
             grads, back = self.traced.backward(inp, grad)
             for v, s in zip(self.rng, now, strict=True):
                 v.assign(s)
+            self.add_grads(grads)
+        return None if self.place.first else back.numpy()
+
+    def add_grads(self, grads) -> None:
         self.grads = list(grads) if self.grads is None else [
             a + g for a, g in zip(self.grads, grads, strict=True)]
-        return None if self.place.first else back.numpy()
 
     def end_step(self) -> bool:
         grads = self.allreduce(self.grads)
@@ -165,8 +176,8 @@ class Traced:
     computes the forward pass again under a tape (a tape cannot outlive a ``tf.function`` call; the
     run restores the dropout seed state first, so the masks are the forward's; the stage's
     non-trainable weights, BatchNorm's moving statistics, are put back after it, so only the
-    forward updates them).  The last stage runs forward, loss and backward in one call: nothing
-    to keep between two calls.  Traced, the
+    forward updates them).  The last stage runs forward, loss and backward in one call, in its forward
+    op (the gradient to send waits for the backward op).  Traced, the
     CNN at S = 2 ran 2.2x the images/s of eager stages keeping a tape per micro-batch, with the
     same weights (the same dropout masks); the measurement is in docs/pipeline.md."""
 

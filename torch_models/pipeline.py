@@ -56,11 +56,14 @@ class TorchPipelineRun(pipeline.PipelineRun):
         self.open_pipeline(args)
         # Seeded per replica: replica 0's stages together are the model one process builds with
         # --seed; other replicas draw other weights on purpose, the broadcast makes them agree.
+        # Only this rank's stage gets weights where the model allows (torch_models/stages.py).
         torch.manual_seed(args.seed + self.place.replica)
         split = startup_checks.every_rank(self.world, lambda: stages.build(
-            args.model, self.data.info, args.dropout, self.place.stages))
+            args.model, self.data.info, args.dropout, self.place.stages, keep=self.place.stage,
+            fits=self.fits))
         self.stage = split.modules[self.keep(split.stages, split.cuts)].to(self.device)
-        del split.modules  # the other stages' weights go
+        self.weights_built = split.built
+        del split.modules  # the other stages' weights go (when built whole)
         self.identity = RunIdentity.of(args, "torch", VERSIONS, self.data.info, split.param_count,
                                        strategy="pipeline")
         startup_checks.check_output_folders(self.world, args, self.identity.param_count)

@@ -12,6 +12,8 @@ real trainers (docs/pipeline.md).
 * **Memory.** An MLP whose weights, gradients and momentum exceed a per-rank cap
   (:mod:`bench.workers.memlimit`: ``RLIMIT_DATA`` beyond the framework's own footprint), at -np 2: S = 1
   (each rank holds all of it) fails to allocate, S = 2 trains; each rank's parameter bytes.
+  And (full runs) :data:`DEEP`, whose weights alone nearly fill the cap, at S = 8 on -np 8, each
+  rank building only its stage (:func:`deep_memory`), against one rank; each rank's peak RSS.
 * **Bytes on the link** (root: two network-namespace hosts, :mod:`bench.common.netns_hosts`, one rank
   each, launched as :mod:`bench.parts.emulated_cluster` does): the kernel's byte counters of a host's link per
   training step, for data parallelism (the gradient allreduce) and the pipeline (activations
@@ -51,6 +53,56 @@ def mlp(input_shape, num_classes):
     return nn.Sequential(*layers, nn.Linear(width, num_classes))
 
 
+DEEP = (4096, 20)  # the stage-build demonstration: 20 x Linear(4096, 4096), 1.34 GB of weights
+
+
+class Rows:
+    """A map-style dataset of float rows and int labels (``--data``'s contract), with ``classes``."""
+
+    def __init__(self, x, y) -> None:
+        self.x, self.y, self.classes = x, y, [str(c) for c in range(10)]
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], int(self.y[i])
+
+
+def deep_rows(split: str) -> Rows:
+    """``--data bench.parts.model_parallel:deep_rows``: 64 train or 32 test rows of 4096 random
+    floats (what they hold does not matter: the demonstration is whether a rank can hold the
+    model, its gradients and momentum)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0 if split == "train" else 1)
+    n = 64 if split == "train" else 32
+    return Rows(rng.standard_normal((n, DEEP[0])).astype(np.float32), rng.integers(0, 10, n))
+
+
+def deep_torch(input_shape, num_classes):
+    """``DEEP``'s layers of Linear + ReLU on a flat row, then the logits: a ``nn.Sequential``
+    built under the meta device and split (docs/pipeline.md, "What is built where")."""
+    from torch import nn
+
+    width, depth = DEEP
+    layers: list = [nn.Flatten()]
+    for i in range(depth):
+        layers += [nn.Linear(math.prod(input_shape) if i == 0 else width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, num_classes))
+
+
+def deep_keras(input_shape, num_classes):
+    """The same layers as an unbuilt ``keras.Sequential`` (no ``keras.Input``): a pipeline
+    builds only its rank's stage."""
+    import keras
+
+    width, depth = DEEP
+    return keras.Sequential([keras.layers.Flatten(),
+                             *(keras.layers.Dense(width, activation="relu") for _ in range(depth)),
+                             keras.layers.Dense(num_classes)])
+
+
 def mlp_params(width: int, depth: int, inputs: int = 784, classes: int = 10) -> int:
     return (inputs + 1) * width + depth * (width + 1) * width + (width + 1) * classes
 
@@ -67,6 +119,10 @@ class PipelineConfig:
     memory_mlp: tuple[int, int] = (4096, 6)  # 104M parameters: 416 MB of float32 weights
     memory_budget_mb: float = 1100
     memory_steps: int = 2
+    # The stage build (docs/pipeline.md, "What is built where"): DEEP at S = 8, -np 8, against
+    # -np 1 (ring), each rank allowed deep_budget_mb; full runs only (8 ranks: ~2 min).
+    deep_memory: bool = True
+    deep_budget_mb: float = 1450
     link: bool = True
     link_steps: tuple[int, int] = (5, 15)
     timeout_s: float = 900
@@ -80,7 +136,7 @@ def full() -> PipelineConfig:
 
 
 def quick() -> PipelineConfig:
-    return PipelineConfig(quick=True, micro=[1, 4], steps=12, link_steps=(3, 6))
+    return PipelineConfig(quick=True, micro=[1, 4], steps=12, link_steps=(3, 6), deep_memory=False)
 
 
 def smoke() -> PipelineConfig:
@@ -92,7 +148,7 @@ def smoke() -> PipelineConfig:
     return PipelineConfig(quick=True, schedules=["1f1b"], micro=[2], steps=2, mlp=(256, 2),
                           memory_mlp=(2048, 12), memory_budget_mb=690,
                           link=netns_hosts.why_unavailable() is None, link_steps=(1, 2),
-                          timeout_s=240)
+                          timeout_s=240, deep_memory=False)
 
 
 def loadavg() -> list[float]:
@@ -235,6 +291,40 @@ def memory(runner: Runner, out: Path) -> dict:
             "budget_mb": cfg.memory_budget_mb, "cells": cells}
 
 
+def deep_memory(runner: Runner) -> dict:
+    """:data:`DEEP` (1.34 GB of float32 weights) under a cap of ``deep_budget_mb`` per rank: one
+    rank (ring: the weights, their gradients and momentum, 4 GB) against S = 8 at -np 8, where
+    each rank builds and trains only its stage.  One epoch of 8 steps of 8 rows."""
+    cfg, cells = runner.cfg, []
+    data = ["--data", "bench.parts.model_parallel:deep_rows", "--model",
+            "bench.parts.model_parallel:deep_torch", "--epochs", "1", "--batch-size", "8",
+            "--train-samples", "64", "--test-samples", "32"]
+    for name, np_, extra in (("deep-ring-np1", 1, []),
+                             ("deep-s8-np8", 8, ["--pipeline-stages", "8", "--stall-timeout", "120"])):
+        report = runner.work / name / "rank"
+        report.parent.mkdir(parents=True, exist_ok=True)
+        for old in report.parent.glob("rank.*.json"):
+            old.unlink()
+        wrap = [util.PY, "-m", "bench.workers.memlimit", "--budget-mb", str(cfg.deep_budget_mb),
+                "--report", str(report), "--"]
+        rec = runner.trainer(name, np_, [*data, *extra], DEEP, wrap=wrap,
+                             env={"HOROVOD_FUSION_THRESHOLD": str(16 << 20)})
+        log = (runner.work / name / "output.log").read_text()
+        ranks = [util.read_json(p) for p in sorted(report.parent.glob("rank.*.json"))]
+        rec.update(np=np_, stages=8 if extra else 1, ranks=ranks,
+                   peak_rss_mb=[round(r["peak_rss_bytes"] / 2**20) for r in ranks],
+                   allocation_failed=any(why in log for why in MEMORY_FAILURES),
+                   stage_by_stage="stage weights: built stage by stage" in log)
+        if rec["ok"]:
+            pipe = rec.pop("summary").get("pipeline")
+            rec["param_bytes"] = [r["param_bytes"] for r in sorted(pipe["ranks"], key=lambda r: r["rank"])] \
+                if pipe else None
+        util.say(f"pipeline/{name}: {'trained' if rec['ok'] else 'failed'}, peak RSS per rank "
+                 f"{rec['peak_rss_mb']} MB")
+        cells.append(rec)
+    return {"width": DEEP[0], "depth": DEEP[1], "budget_mb": cfg.deep_budget_mb, "cells": cells}
+
+
 def link(runner: Runner, out: Path) -> dict:
     """Bytes per step through host a's link, data parallel vs pipeline, on two emulated hosts."""
     from bench.common import netns_hosts
@@ -294,6 +384,8 @@ def run_part(cfg: PipelineConfig, out: Path) -> dict:
     if cfg.versus_dp:
         data["versus_dp"] = versus_dp(runner)
     data["memory"] = memory(runner, out)
+    if cfg.deep_memory:
+        data["deep_memory"] = deep_memory(runner)
     if cfg.link:
         data["link"] = link(runner, out)
     data["load_after"] = loadavg()

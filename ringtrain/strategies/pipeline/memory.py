@@ -14,6 +14,7 @@ ranks of this host; each is compared with what the process already uses by the s
 
 from __future__ import annotations
 
+import os
 import resource
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,15 @@ def _cgroup_max(root: Path = Path("/sys/fs/cgroup")) -> tuple[int, int] | None:
         return int(cap), int((folder / "memory.current").read_text().strip())
     except (OSError, StopIteration, ValueError, IndexError):
         return None
+
+
+def local_size() -> int:
+    """The ranks on this host, as the launcher announced them (they share the host's cgroup)."""
+    for name in ("OMPI_COMM_WORLD_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
 
 
 def rank_limit(local_size: int = 1, status: str | None = None,

@@ -38,7 +38,7 @@ import numpy as np
 from ringtrain import runtime
 from ringtrain.errors import UserError, printable
 from ringtrain.output.progress import Loss
-from ringtrain.strategies.pipeline import transport
+from ringtrain.strategies.pipeline import memory, transport
 from ringtrain.strategies.pipeline.engine import Boundary, EvalRelay, run_step
 from ringtrain.strategies.pipeline.options import microbatches_note
 from ringtrain.strategies.pipeline.partition import Stage
@@ -131,12 +131,14 @@ class PipelineRun(FrameworkRun):
     """A rank's share of a pipeline run; the framework's subclass opens it (Horovod with the stage
     process sets, the stage's layers, its optimizer, the resume, the per-stage broadcast) and
     sets ``place``, ``link``, ``stages`` (every stage's :class:`Stage`, the same on every rank),
+    ``weights_built`` (the banner's line on how the stage's weights were made),
     ``inbound``/``outbound`` (the cuts around this stage), then does each micro-batch's maths
     (:meth:`forward`, :meth:`backward`) and the step around them."""
 
     place: Placement
     link: transport.Link
     stages: list[Stage]
+    weights_built: str  # how the stage's weights were made: "built stage by stage", or whole
     inbound: Boundary | None
     outbound: Boundary | None
 
@@ -161,7 +163,20 @@ class PipelineRun(FrameworkRun):
         self.times: list[tuple[float, float, float]] = []  # seconds of each step: all of it,
         #                                                   the schedule's, computing
         self.peak_held = self.peak_sends = self.peak_eval = 0  # measured, over the run's steps
+        self.memory_needs: memory.StageNeeds | None = None  # the per-rank formula, once known
         self.saved: dict[int, Any] = {}  # the framework's tensors kept per micro-batch
+
+    def fits(self, stage: int, weight_bytes: int, activation_bytes: int) -> None:
+        """Before the stage's weights exist: what it will hold by the per-rank formula (its
+        weights, their gradients, the optimizer's state, the activations its schedule keeps:
+        ``in_flight`` of its op list, each micro-batch's rows x ``activation_bytes`` per
+        example), against this rank's limit; one line when it cannot fit."""
+        args = self.args
+        held = in_flight(stage_ops(args.schedule, self.place.stages, stage, args.microbatches))
+        self.memory_needs = memory.needs(stage, weight_bytes, getattr(args, "optimizer", "sgd"),
+                                         args.momentum, activation_bytes, self.micro, held)
+        memory.check_fits(self.memory_needs, memory.rank_limit(memory.local_size()),
+                          self.place.stages)
 
     # --- who reads what, who writes -------------------------------------------------------------
 
@@ -221,8 +236,14 @@ class PipelineRun(FrameworkRun):
         self.step_loss = 0.0
         self.begin_step(data, rows, lr)
         ops = stage_ops(self.args.schedule, self.place.stages, self.place.stage, len(rows))
-        took = run_step(self.place, self.link, self, ops, rows, self.inbound, self.outbound)
-        finite = self.end_step()
+        try:
+            took = run_step(self.place, self.link, self, ops, rows, self.inbound, self.outbound)
+            finite = self.end_step()
+        except Exception as err:  # an allocation that failed: one line, not "diverged" or a trace
+            if not memory.out_of_memory(err):
+                raise
+            raise memory.ran_out(self.place.stage, self.place.stages, self.memory_needs,
+                                 memory.rank_limit(), "a training step") from None
         # Every rank learns its replica's loss (the progress bar, the divergence line) and whether
         # any stage's weights stopped being finite: slot 0 counts those, slot 1 + r holds replica
         # r's loss, from its last stage.
@@ -335,6 +356,7 @@ class PipelineRun(FrameworkRun):
                 + microbatches_note(self.args)
                 + f"; ideal bubble (S-1)/(M+S-1) = {f['ideal_bubble']:.1%}"
                 + ("; forward recomputed in the backward" if f["checkpoint_activations"] else ""),
+                f"stage weights: {self.weights_built}",
                 *(s.line() for s in self.stages)]
 
     def summary_fields(self) -> dict[str, Any]:
