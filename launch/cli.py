@@ -11,6 +11,7 @@ and would otherwise repeat the same line N times.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -19,6 +20,21 @@ from ringtrain.errors import UserError, launcher_rank, printable
 from ringtrain.strategies import registry
 
 USAGE_EXIT_CODE = 2
+# Set by python -m launch.horovodrun where mpirun runs with --enable-recovery, whose exit status
+# is 0 whatever the ranks': rank 0 then writes its own on a line keyed by this variable's value
+# (STATUS_LINE and a random token), which the wrapper reads and keeps out of the output.
+STATUS_ENV = "RINGTRAIN_JOB_STATUS_LINE"
+STATUS_LINE = "ringtrain-job-status"
+
+
+def tell_launcher(code: int) -> None:
+    """Rank 0, under the wrapper's recovery: its exit status, for the wrapper to return."""
+    token = os.environ.get(STATUS_ENV, "")
+    if token.startswith(STATUS_LINE) and launcher_rank() == 0:
+        try:
+            print(f"{token} {code}", file=sys.stderr, flush=True)
+        except OSError:  # no stderr left: the wrapper falls back on the lines it saw
+            pass
 
 
 def fail(message: str) -> NoReturn:
@@ -35,11 +51,20 @@ def run_cli(main: Callable[[], int | None]) -> None:
     try:
         code = main()
     except UserError as err:
+        tell_launcher(USAGE_EXIT_CODE)
         fail(str(err))
     except KeyboardInterrupt:  # every rank says so: which rank was hit is the useful part
         print(f"rank {launcher_rank()} interrupted; checkpoints already written are complete",
               file=sys.stderr, flush=True)
+        tell_launcher(130)
         sys.exit(130)
+    except SystemExit as done:
+        tell_launcher(done.code if isinstance(done.code, int) else 0 if done.code is None else 1)
+        raise
+    except BaseException:
+        tell_launcher(1)  # Python's own traceback follows, with its exit status 1
+        raise
+    tell_launcher(code or 0)
     sys.exit(code or 0)
 
 

@@ -10,13 +10,26 @@ those carry a ``[rank]`` tag) into its last line.
 
 Where ``-H``/``--hostfile`` names more than one host and no controller is chosen (``--gloo``,
 ``--mpi``, ``--jsrun``), it runs ``horovodrun --gloo``: across hosts Horovod's Gloo controller and
-collectives trained faster than its MPI ones on the emulated cluster (docs/clusters.md).
+collectives trained faster than its MPI ones on the emulated cluster (docs/clusters.md).  A
+``--strategy ps`` job stays on MPI, which it needs.
+
+A ``--strategy ps`` job trains on without a dead or frozen worker, which Open MPI 4's mpirun
+allows only with ``--enable-recovery`` (without it, mpirun ends every rank once one dies): the
+wrapper passes it (``--mpi-args=--enable-recovery``, added to the user's own ``--mpi-args``).
+Under it, mpirun's exit status is 0 whatever the ranks' (measured with 4.1.4: a rank's
+``MPI_Abort(3)``, every rank exiting 2 or 3, a rank killed: all 0), so the wrapper takes the job's
+status from rank 0 instead (server 0, which survives or ends every such job): rank 0 writes it
+on a line of its own, keyed by a token in the environment (``launch.cli.STATUS_ENV``), which the
+wrapper keeps out of the output.  No such line (rank 0 ended through the watchdog, or was
+killed): 3, the watchdog's status, where a rank wrote an ``error:`` line, else 1
+(:func:`job_status`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -25,10 +38,12 @@ import sys
 import threading
 from pathlib import Path
 
-from launch.cli import run_cli
+from launch.cli import STATUS_ENV, STATUS_LINE, run_cli
 from ringtrain.errors import UserError
 
 SSH_ANSWER_SECONDS = 5.0
+RECOVERY = "--enable-recovery"  # Open MPI 4's mpirun: a rank's death does not end the others
+STALL_EXIT_CODE = 3  # ringtrain.faults.watchdog's: a rank ended the job with its one line
 _LOCAL = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
 
 
@@ -143,14 +158,57 @@ def hosts_in(argv: list[str]) -> int:
     return len(names)
 
 
+def parameter_servers(argv: list[str]) -> bool:
+    """Whether the command (what follows horovodrun's own flags) runs ``--strategy ps``."""
+    command = argv[len(own_flags(argv)):]
+    return "--strategy=ps" in command or any(
+        a == "--strategy" and b == "ps" for a, b in zip(command, command[1:], strict=False))
+
+
+def with_recovery(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` with mpirun's ``--enable-recovery`` where the job is ``--strategy ps`` on MPI
+    (added to ``--mpi-args``, the user's value kept), and whether the job runs with it (added
+    here or given already).  Any other job as it is: a ring job cannot outlive a rank anyway,
+    and recovery would only cost it its exit status."""
+    own = own_flags(argv)
+    if not parameter_servers(argv) or {"--gloo", "--jsrun"} & set(own):
+        return argv, False
+    given = _value(argv, "--mpi-args")
+    if given is not None and (RECOVERY in given.split() or "orte_enable_recovery" in given):
+        return argv, True
+    kept, i = [], 0
+    while i < len(own):  # the user's --mpi-args out: one --mpi-args with theirs and recovery in
+        if own[i] == "--mpi-args":
+            i += 2
+            continue
+        if not own[i].startswith("--mpi-args="):
+            kept.append(own[i])
+        i += 1
+    merged = f"{given} {RECOVERY}" if given else RECOVERY
+    return [f"--mpi-args={merged}", *kept, *argv[len(own):]], True
+
+
+def job_status(code: int, recovering: bool, state: dict) -> int:
+    """The wrapper's exit status: horovodrun's; but where mpirun ran with recovery (its status
+    then says nothing: 0 whatever the ranks did, or 1 where a rank's guardian had to interrupt
+    it), rank 0's own, once it has finished with its outputs written; else 3 after a rank's
+    ``error:`` line (the watchdog's end, which writes no status), else horovodrun's, at least 1
+    (rank 0 gone without a word)."""
+    if not recovering:
+        return code
+    if state.get("status") is not None:
+        return state["status"]
+    return STALL_EXIT_CODE if state["rank_error"] else code or 1
+
+
 def with_controller(argv: list[str]) -> tuple[list[str], str | None]:
     """``argv`` with ``--gloo`` put first where the job spans hosts and names no controller, and
     the note that says so; else ``argv`` as it is and None.  Elastic jobs
-    (``--host-discovery-script``) run on Gloo anyway."""
+    (``--host-discovery-script``) run on Gloo anyway; a ``--strategy ps`` job needs MPI."""
     own = own_flags(argv)
     chosen = {"--gloo", "--mpi", "--jsrun"} & set(own)
     hosts = hosts_in(argv)
-    if chosen or hosts < 2 or _value(argv, "--host-discovery-script"):
+    if chosen or hosts < 2 or _value(argv, "--host-discovery-script") or parameter_servers(argv):
         return argv, None
     return ["--gloo", *argv], (f"note: the job spans {hosts} hosts: running horovodrun --gloo "
                                f"(faster than MPI across hosts, docs/clusters.md); --mpi keeps MPI")
@@ -158,8 +216,22 @@ def with_controller(argv: list[str]) -> tuple[list[str], str | None]:
 
 def _pass_through(stream, sink, state: dict, hold: bool) -> None:
     """Copy lines; with ``hold``, keep back a traceback that starts at column 0 (horovodrun's
-    own: a rank's lines carry a tag) and everything after it."""
+    own: a rank's lines carry a tag) and everything after it.  Rank 0's status line (its
+    ``token``) is kept out and read."""
+    token = state.get("token")
     for line in stream:
+        if token and token in line:
+            # the number alone: mpirun's tagging may glue the next write to it, a bare tag
+            # ("0[1,0]<stderr>:") or more, which goes through
+            after = line.split(token, 1)[1]
+            code = re.match(r" (-?\d+)", after)
+            if code:
+                state["status"] = int(code.group(1))
+            rest = after[code.end():] if code else after
+            if re.sub(r"\[\d+,\d+\]<\w+>:", "", rest).strip():
+                sink.write(rest if rest.endswith("\n") else rest + "\n")
+                sink.flush()
+            continue
         if hold and (state["held"] or line.startswith("Traceback (most recent call last):")):
             state["held"].append(line)
             continue
@@ -185,14 +257,19 @@ def main(argv: list[str] | None = None) -> int:
     argv, note = with_controller(argv)
     if note:
         print(note, file=sys.stderr, flush=True)
+    argv, recovering = with_recovery(argv)
+    state = {"held": [], "rank_error": False, "status": None, "token": None}
+    env = dict(os.environ)
+    if recovering:
+        state["token"] = f"{STATUS_LINE} {secrets.token_hex(8)}"
+        env[STATUS_ENV] = state["token"]
     exe = shutil.which("horovodrun", path=f"{Path(sys.executable).parent}{os.pathsep}"
                                           f"{os.environ.get('PATH', '')}")
     if exe is None:
         raise UserError("horovodrun is not installed; run 'make setup'")
     proc = subprocess.Popen([exe, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            bufsize=1)
+                            bufsize=1, env=env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches horovodrun itself; wait for it
-    state = {"held": [], "rank_error": False}
     copiers = [threading.Thread(target=_pass_through, args=(proc.stdout, sys.stdout, state, False)),
                threading.Thread(target=_pass_through, args=(proc.stderr, sys.stderr, state, True))]
     for t in copiers:
@@ -204,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         last = exception_line(state["held"])
         prefix = "" if state["rank_error"] else "error: "
         sys.stderr.write(f"{prefix}horovodrun: {last}\n")
-    return code
+    return job_status(code, recovering, state)
 
 
 if __name__ == "__main__":

@@ -583,80 +583,142 @@ def test_full_disk_keeps_the_previous_checkpoint_and_trains_on(framework, mode, 
 
 # --- 5. parameter servers (--strategy ps): a dead worker, a dead server ------------------------------
 
+# With its progress bar (server 0 draws it; mpirun gives rank 0 a terminal): the test strikes at a
+# step of epoch 2.  Striking a fixed time after epoch 1's checkpoint hit the epoch's end in 2 of
+# 3 runs once an epoch took 1 s, and a worker dying in an epoch's end (its collectives) ends the
+# job (docs/parameter-servers.md).
 PS_JOB = ["--train-samples", "3072", "--test-samples", "200", "--batch-size", "32", "--epochs", "4",
-          "--no-progress", "--stall-timeout", str(STALL), "--strategy", "ps"]
-RECOVERY = "--mpi-args=--enable-recovery"  # Open MPI 4's mpirun keeps the others when one dies
+          "--stall-timeout", str(STALL), "--strategy", "ps"]
+PS_STRIKE = re.compile(r"epoch 2/4 \[[#.]*\] (\d+)/(\d+)")
 
 
-def ps_job(tmp_path: Path, jobs: list, np_: int, args: list[str], recovery: bool) -> tuple[Job, Path]:
-    """A parameter-server job of ``np_`` ranks on this host, once its first checkpoint exists."""
+def ps_job(tmp_path: Path, jobs: list, np_: int, args: list[str],
+           launcher: str = "launch.horovodrun") -> tuple[Job, Path]:
+    """A parameter-server job of ``np_`` ranks on this host, once its first checkpoint exists:
+    through ringtrain's launcher as a user runs it (no extra flag: it passes mpirun what the
+    servers need to outlive a worker), or plain ``horovodrun``."""
     module, ckpt, metrics = MODULES["torch"], tmp_path / "ckpt", tmp_path / "m.json"
-    cmd = [str(BIN / "horovodrun"), *([RECOVERY] if recovery else []), "-np", str(np_), "-H",
-           f"localhost:{np_}", sys.executable, "-m", module, *PS_JOB, *args,
-           "--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics)]
+    start = ([sys.executable, "-m", "launch.horovodrun"] if launcher == "launch.horovodrun"
+             else [str(BIN / "horovodrun")])
+    cmd = [*start, "-np", str(np_), "-H", f"localhost:{np_}", sys.executable, "-m", module, *PS_JOB,
+           *args, "--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics)]
     job = Job(cmd, str(tmp_path), module)
     jobs.append(job)
-    job.wait_for_file(ckpt, "ckpt-epoch*.pt")
-    time.sleep(1)  # into epoch 2: a worker dying in an epoch's end (its collectives) ends the job
+    deadline, seen = time.monotonic() + 300, 0
+    while True:  # a few steps into epoch 2, well before its end
+        lines = job.lines[seen:]
+        seen += len(lines)
+        if any((m := PS_STRIKE.search(ln)) and 3 <= int(m.group(1)) <= int(m.group(2)) // 2
+               for ln in lines):
+            break
+        if job.proc.poll() is not None or time.monotonic() > deadline:
+            job.kill()
+            pytest.fail(f"never saw epoch 2's first steps:\n{job.output()[-3000:]}")
+        time.sleep(0.05)
+    job.ranks()
     return job, metrics
 
 
-@pytest.mark.parametrize("tier", cells(("ci",)))
-def test_a_dead_worker_is_trained_on_without_at_staleness_inf(tier, tmp_path, jobs):
-    """--staleness inf under mpirun --enable-recovery: worker rank 2 SIGKILLed in epoch 2; server
-    0 hears its heartbeat stop, says so in one warning line, the others take its batches, and
-    the job ends normally with every epoch trained and the lost worker in the summary."""
-    job, metrics = ps_job(tmp_path, jobs, 4, ["--staleness", "inf"], recovery=True)
-    job.rank(2).send_signal(signal.SIGKILL)
-    rc, took = job.wait_exit(240)
-    record("killed worker/torch/mpi --enable-recovery/ps inf", f"exit {rc}, trained on", took)
+def assert_trained_on_without(job: Job, metrics: Path, rank: int, staleness: str,
+                              workers: int) -> dict:
+    """Exit 0, no error line, one warning from server 0 naming the lost worker, every epoch
+    trained, the summary naming it (and when), each pushed gradient applied once."""
     out = job.output()
-    assert rc == 0 and not error_lines(out), out[-3000:]
-    warned = [ln for ln in out.splitlines() if "warning: worker rank 2 (" in ln]
-    assert len(warned) == 1 and "--staleness inf trains on with 2 worker(s)" in warned[0], out[-3000:]
+    assert not error_lines(out), out[-3000:]
+    warned = [ln for ln in out.splitlines() if f"warning: worker rank {rank} (" in ln]
+    assert len(warned) == 1 and f"--staleness {staleness} trains on with {workers - 1} worker(s)" \
+        in warned[0], out[-3000:]
     summary = json.loads(metrics.read_text())
     assert [e["epoch"] for e in summary["epochs"]] == [1, 2, 3, 4]
-    assert summary["ps"]["lost_workers"] == [2] and len(summary["param_checksums"]) == 3
+    ps = summary["ps"]
+    assert ps["lost_workers"] == [rank] and [x["rank"] for x in ps["lost"]] == [rank], ps
+    assert ps["lost"][0]["epoch"] >= 2 and ps["exactly_once"], ps
+    assert f"ps: lost worker rank {rank} in epoch {ps['lost'][0]['epoch']}" in out, out[-3000:]
+    # every batch of the 4 epochs applied once (3072 samples in batches of 32, whatever the
+    # shards): the lost worker's gradients that arrived, the batch it held trained by another
+    assert ps["gradients_applied"] == [4 * 3072 // 32], ps
     assert summary["final_test_accuracy"] > 0.5
+    return summary
+
+
+@pytest.mark.parametrize("staleness,tier", cells(("4", "ci"), ("0", "full"), ("inf", "full")))
+def test_a_dead_worker_is_trained_on_without_at_any_staleness(staleness, tier, tmp_path, jobs):
+    """``python -m launch.horovodrun -np 4 ... --strategy ps --ps-servers 1 --staleness K`` with
+    no extra flag, worker rank 3 SIGKILLed in epoch 2: server 0 hears its heartbeat stop, drops it
+    from the staleness bound (the others, who may not run more than K steps ahead of it, go on),
+    says so in one warning line, the others take its batches, the LR follows the 2 workers
+    left, and the job ends normally (exit 0: rank 0's, which the launcher reports where mpirun's
+    recovery would say 0 anyway) with every epoch trained and the lost worker named in the
+    summary, with when."""
+    job, metrics = ps_job(tmp_path, jobs, 4, ["--ps-servers", "1", "--staleness", staleness])
+    job.rank(3).send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    rc, took = job.wait_exit(240)
+    warned = next((t - t0 for t, ln in zip(job.times, job.lines, strict=False)
+                   if "warning: worker rank 3 (" in ln), None)
+    record(f"killed worker/torch/launch.horovodrun/ps {staleness}", f"exit {rc}, trained on", took,
+           warned)
+    assert rc == 0, job.output()[-3000:]
+    assert_trained_on_without(job, metrics, 3, staleness, 3)
     assert_nothing_left(job)
 
 
-@pytest.mark.parametrize("staleness,recovery,tier", cells(
-    ("4", False, "ci"), ("0", False, "full"), ("inf", False, "full"), ("4", True, "full")))
-def test_a_dead_worker_ends_a_bounded_staleness_job_in_one_line(staleness, recovery, tier, tmp_path,
-                                                                 jobs):
-    """A worker frozen (SIGSTOP) in epoch 2: at a finite staleness the others would wait for it,
-    so the job ends within --stall-timeout + 30 s in one line naming it; at staleness inf
-    without --enable-recovery too (Open MPI's mpirun would end every rank once the frozen one's
-    guardian kills it), saying why.  Under --enable-recovery the job's exit status says nothing:
-    Open MPI 4.1.4's mpirun exited 0 for ranks calling MPI_Abort(3) or all exiting 3, and this
-    cell's job ended 0 in one run and 1 in another (horovodrun after the guardian interrupted
-    mpirun); the line is then the only sign, which is why recovery is for --staleness inf alone
-    (docs/parameter-servers.md)."""
-    job, _ = ps_job(tmp_path, jobs, 3, ["--staleness", staleness], recovery=recovery)
-    job.rank(2).send_signal(signal.SIGSTOP)
+@pytest.mark.parametrize("staleness,launcher,tier", cells(
+    ("0", "launch.horovodrun", "ci"), ("4", "horovodrun", "full")))
+def test_a_frozen_worker_is_dropped_and_leaves_when_it_wakes_up(staleness, launcher, tier,
+                                                                 tmp_path, jobs):
+    """Worker rank 2 of 3 frozen (SIGSTOP) in epoch 2.  Through ``python -m launch.horovodrun``:
+    server 0 drops it after half the --stall-timeout (one warning line), the others train on;
+    continued (SIGCONT) once dropped, the worker is told so by the servers and leaves with a
+    warning line of its own, without ending anyone; the job ends normally.  Under plain
+    ``horovodrun`` (no --enable-recovery, so mpirun would end every rank once the frozen one's
+    guardian kills it) the job ends within --stall-timeout + 30 s in one line naming it and
+    saying what the launcher needs."""
+    job, metrics = ps_job(tmp_path, jobs, 3, ["--staleness", staleness], launcher=launcher)
+    victim = job.rank(2)
+    victim.send_signal(signal.SIGSTOP)
     t0 = time.monotonic()
-    rc, took = job.wait_exit(BOUND + 30)
-    record(f"frozen worker/torch/mpi{' --enable-recovery' if recovery else ''}/ps {staleness}",
-           f"exit {rc}", took, job.first_error_after(t0))
-    assert recovery or rc != 0, rc
-    assert took <= BOUND, took
-    line = assert_one_line(job, r"worker rank 2 \(", "is dead, frozen or cut off")
-    assert ("would train on without it" in line) == (staleness == "inf"), line
+    if launcher == "horovodrun":
+        rc, took = job.wait_exit(BOUND + 30)
+        record(f"frozen worker/torch/mpi/ps {staleness}", f"exit {rc}", took,
+               job.first_error_after(t0))
+        assert rc != 0 and took <= BOUND, (rc, took)
+        assert_one_line(job, r"worker rank 2 \(", "is dead, frozen or cut off",
+                        "--enable-recovery", "python -m launch.horovodrun passes it")
+        assert_nothing_left(job)
+        return
+    while not any("warning: worker rank 2 (" in ln for ln in job.lines):
+        if time.monotonic() - t0 > BOUND or job.proc.poll() is not None:
+            job.kill()
+            pytest.fail(f"worker rank 2 not dropped {BOUND} s after it froze:\n{job.output()[-3000:]}")
+        time.sleep(0.2)
+    dropped = time.monotonic() - t0
+    with contextlib.suppress(psutil.Error):
+        victim.send_signal(signal.SIGCONT)
+    rc, took = job.wait_exit(240)
+    record(f"frozen worker, continued/torch/launch.horovodrun/ps {staleness}",
+           f"exit {rc}, trained on", took, dropped)
+    assert rc == 0, job.output()[-3000:]
+    out = job.output()
+    left = [ln for ln in out.splitlines() if "warning: worker rank 2 was dropped by the servers" in ln]
+    assert len(left) == 1 and "so it leaves" in left[0], out[-3000:]
+    assert_trained_on_without(job, metrics, 2, staleness, 2)
     assert_nothing_left(job)
 
 
 @pytest.mark.parametrize("tier", cells(("full",)))
 def test_a_dead_server_ends_the_job_in_one_line(tier, tmp_path, jobs):
-    """Server rank 1 of 2 frozen (SIGSTOP): server 0 hears its heartbeat stop and ends the job in
-    one line: its slice is gone.  (Killed instead, Open MPI's mpirun ends every rank at once,
-    as for the ring.)"""
-    job, _ = ps_job(tmp_path, jobs, 4, ["--ps-servers", "2", "--staleness", "inf"], recovery=False)
+    """Server rank 1 of 2 frozen (SIGSTOP), through ``python -m launch.horovodrun`` (so under
+    mpirun --enable-recovery, whose own status would be 0 or 1): server 0 hears its heartbeat
+    stop and ends the job in one line, its slice being gone; the launcher's status is 3, the
+    watchdog's, as without recovery."""
+    job, _ = ps_job(tmp_path, jobs, 4, ["--ps-servers", "2", "--staleness", "inf"])
     job.rank(1).send_signal(signal.SIGSTOP)
     t0 = time.monotonic()
     rc, took = job.wait_exit(BOUND + 30)
-    record("frozen server/torch/mpi/ps inf", f"exit {rc}", took, job.first_error_after(t0))
-    assert rc != 0 and took <= BOUND, (rc, took)
+    record("frozen server/torch/launch.horovodrun/ps inf", f"exit {rc}", took,
+           job.first_error_after(t0))
+    assert rc == 3 and took <= BOUND, (rc, took)
     assert_one_line(job, r"server rank 1 \(", "its part of the parameters is gone")
     assert_nothing_left(job)
 
@@ -891,6 +953,75 @@ def test_horovodrun_flags_are_read_like_horovodrun(tmp_path):
     assert hosts_and_slots(["--hostfile", str(hostfile)]) == [("node1", 4), ("node2", 2)]
     assert exception_line(["Traceback (most recent call last):\n", '  File "x", line 1\n',
                            "RuntimeError: first\n", "second line\n"]) == "RuntimeError: first second line"
+
+
+def test_the_launcher_gives_a_parameter_server_job_recovery_and_its_real_status():
+    """``python -m launch.horovodrun`` passes mpirun --enable-recovery to a --strategy ps job on
+    MPI (merged into the user's --mpi-args; not twice; not for a ring job, nor under Gloo), keeps
+    such a job on MPI across hosts, and returns rank 0's status where mpirun's says nothing."""
+    from launch.horovodrun import job_status, with_controller, with_recovery
+
+    cmd = ["python", "train.py", "--strategy", "ps", "--staleness", "4"]
+    assert with_recovery(["-np", "4", *cmd]) == (["--mpi-args=--enable-recovery", "-np", "4", *cmd], True)
+    assert with_recovery(["--mpi-args", "-x FOO", "-np", "4", *cmd]) == \
+        (["--mpi-args=-x FOO --enable-recovery", "-np", "4", *cmd], True)
+    given = ["--mpi-args=--enable-recovery --bind-to none", "-np", "4", *cmd]
+    assert with_recovery(given) == (given, True)
+    for kept in (["-np", "4", "python", "train.py"], ["--gloo", "-np", "4", *cmd],
+                 ["-np", "4", "python", "train.py", "--strategy", "ring", "--staleness", "ps"]):
+        assert with_recovery(kept) == (kept, False)
+    spans = ["-np", "4", "-H", "node1:2,node2:2", "python", "train.py", "--strategy=ps"]
+    assert with_controller(spans) == (spans, None)
+    seen = {"rank_error": False, "status": None}
+    assert job_status(0, True, {**seen, "status": 2}) == 2  # bad input on every rank
+    assert job_status(0, True, {**seen, "status": 0}) == 0  # trained on without a worker
+    assert job_status(1, True, {**seen, "status": 0}) == 0  # a straggler's guardian stopped mpirun
+    assert job_status(0, True, {**seen, "rank_error": True}) == 3  # the watchdog's one line
+    assert job_status(0, True, seen) == 1  # rank 0 gone without a word
+    assert job_status(137, False, {**seen, "status": 0}) == 137  # no recovery: mpirun's own
+
+
+def test_the_launcher_reads_rank_0s_status_line_and_keeps_it_out():
+    """The status line as mpirun tags it, also with the next write glued to it (seen: a bare
+    tag, "0[1,0]<stderr>:", which a whole-word parse missed and the job's 0 became 1)."""
+    import io
+
+    from launch.horovodrun import _pass_through
+
+    token = "ringtrain-job-status 5eed"
+    for lines, status, shown in (
+            ([f"[1,0]<stderr>:{token} 0\n"], 0, ""),
+            ([f"[1,0]<stderr>:{token} 2[1,0]<stderr>:\n"], 2, ""),
+            ([f"[1,0]<stderr>:{token} 0[1,1]<stderr>:warning: x\n", "[1,0]<stdout>:done\n"], 0,
+             "[1,1]<stderr>:warning: x\n[1,0]<stdout>:done\n"),
+            (["[1,0]<stderr>:ringtrain-job-status other 5\n"], None,
+             "[1,0]<stderr>:ringtrain-job-status other 5\n")):
+        state, sink = {"held": [], "rank_error": False, "status": None, "token": token}, io.StringIO()
+        _pass_through(io.StringIO("".join(lines)), sink, state, True)
+        assert (state["status"], sink.getvalue()) == (status, shown), lines
+
+
+def test_rank_0_tells_the_launcher_its_status_only_when_asked(monkeypatch, capsys):
+    """Under the launcher's token, rank 0 writes its exit status on the token's line (bad input:
+    2, after its one error line); any other rank, or without the token, writes nothing."""
+    from launch import cli
+    from ringtrain.errors import UserError
+
+    def bad() -> int:
+        raise UserError("bad flag")
+
+    for rank, token, want in (("0", "ringtrain-job-status abc", "ringtrain-job-status abc 2"),
+                              ("1", "ringtrain-job-status abc", None), ("0", None, None)):
+        monkeypatch.setenv("OMPI_COMM_WORLD_RANK", rank)
+        if token:
+            monkeypatch.setenv(cli.STATUS_ENV, token)
+        else:
+            monkeypatch.delenv(cli.STATUS_ENV, raising=False)
+        with pytest.raises(SystemExit) as done:
+            cli.run_cli(bad)
+        assert done.value.code == 2
+        err = capsys.readouterr().err
+        assert [ln for ln in err.splitlines() if "ringtrain-job-status" in ln] == ([want] if want else [])
 
 
 def test_horovodrun_across_hosts_runs_gloo_unless_told():

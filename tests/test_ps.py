@@ -8,11 +8,15 @@ of each step, one momentum update, summed in worker order) exactly; one worker a
 single-process SGD exactly; every pushed gradient is applied exactly once, also at staleness inf
 with 3 workers in any interleaving (the final weights are the order-free sum of every update);
 a server answers a pull only once the slowest worker is within K steps; the epoch's tail goes to
-whoever is free, each batch trained once; a dead worker is gone on without (inf) or ends the job.
+whoever is free, each batch trained once; a dead or frozen worker is gone on without at any
+staleness (each batch still trained once, the LR following the workers left), a dropped worker
+that comes back is told to leave and changes nothing, and where the launcher cannot outlive a rank
+the job ends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -109,10 +113,11 @@ class Job:
                  w0: np.ndarray | None = None, delay: Callable[[int], None] = lambda w: None,
                  silent: Callable[[], dict[int, float]] = dict,
                  on_dead: Callable[[int, float], bool] = lambda rank, quiet: False,
-                 dies: dict[int, int] | None = None, deadline: float = TIMEOUT) -> None:
+                 dies: dict[int, int] | None = None, deadline: float = TIMEOUT,
+                 live_lr: Callable[[int, int, int], float] | None = None) -> None:
         self.roles = ps.Roles(servers, servers + workers)
         self.cfg = ps.Config(self.roles, size, staleness, momentum, rule, steps, lr,
-                             deadline=deadline, tick=0.02)
+                             deadline=deadline, tick=0.02, live_lr=live_lr)
         self.net = Net()
         self.epochs, self.grad, self.delay = epochs, grad, delay
         self.w0 = np.zeros(size, np.float32) if w0 is None else w0.astype(np.float32)
@@ -121,6 +126,7 @@ class Job:
         self.workers = [ps.Worker(self.cfg, self.net.link(self.roles.worker_rank(w)), w)
                         for w in range(workers)]
         self.trained: list[tuple] = []  # every batch a gradient was computed on
+        self.trained_by: list[int] = []  # ... and by which worker
         self.lock = threading.Lock()
         self.dies = dies or {}  # worker -> its gradients before it dies (stops, silently)
         self.gone = {w: threading.Event() for w in range(workers)}
@@ -149,6 +155,7 @@ class Job:
             self.delay(w)
             with self.lock:
                 self.trained.append(key)
+                self.trained_by.append(w)
             return self.grad(self.weights, key).astype(np.float32), 0.5
 
         try:
@@ -412,30 +419,219 @@ def test_a_histogram_line_groups_by_powers_of_two():
 
 # --- failures ---------------------------------------------------------------------------------
 
-def test_a_dead_worker_is_gone_on_without_at_staleness_inf():
-    """Worker 1 stops after 3 gradients; server 0 hears it is silent (the watchdog's heartbeats,
-    here an event) and goes on: the others take its batches, the second epoch runs without it,
-    every survivor learns it is dead, and only the batch it was computing is lost."""
-    workers, steps = 3, 6
-    silent_rank = 2 + 1
+def counted_grad(size: int):
+    """Gradients independent of the weights, whole numbers: at K > 0 each is applied at the
+    constant LR / N (1/16 here), every update exact in float32, so the final weights are the
+    order-free sum and any lost or repeated gradient would show."""
+    def grad(weights: np.ndarray, key: tuple) -> np.ndarray:
+        epoch, owner, t = key
+        return np.arange(size, dtype=np.float32) % 7 + 100 * epoch + 10 * owner + t
+
+    return grad
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+@pytest.mark.parametrize("staleness", [0, 1, 4, None])
+def test_a_dead_worker_is_dropped_at_any_staleness_and_every_batch_is_trained_once(staleness,
+                                                                                   servers):
+    """Worker 1 of 3 dies with its 4th batch in hand; server 0 hears it is silent (the
+    watchdog's heartbeats, here an event) and drops it: at a finite staleness the others, who may
+    not run more than K steps ahead of it, go on; every survivor learns it is dead; the batch it
+    held and its batches not yet handed out go to the others, so every batch of both epochs is
+    trained exactly once and its 3 gradients are applied, at every server."""
+    workers, steps, epochs, size = 3, 6, 2, 6
+    dead_rank = servers + 1
 
     def silent() -> dict[int, float]:
-        return {silent_rank: 99.0} if job.gone[1].is_set() else {}
+        return {dead_rank: 99.0} if job.gone[1].is_set() else {}
 
-    job = Job(2, workers, None, size=6, steps=steps, epochs=2, grad=lambda w, k: np.ones(6),
-              silent=silent, on_dead=lambda rank, quiet: True, dies={1: 3},
-              delay=lambda w: time.sleep(0.002))
+    job = Job(servers, workers, staleness, size=size, steps=steps, epochs=epochs,
+              lr=lambda e, t: 3 / 16, grad=counted_grad(size), silent=silent,
+              on_dead=lambda rank, quiet: True, dies={1: 3}, delay=lambda w: time.sleep(0.002))
     job.run().check()
-    assert {r: v for r, v in job.verdicts.items()} == {r: [1] for r in (0, 1, 2, 4)}
-    first = [k for k in job.trained if k[0] == 1]
-    assert len(first) == workers * steps - 1 == len(set(first))  # one batch lost: its 4th
-    second = sorted(k for k in job.trained if k[0] == 2)
-    assert second == [(2, o, t) for o in (0, 1, 2) for t in range(steps)]  # its shard: taken over
+    survivors = [r for r in range(servers + workers) if r != dead_rank]
+    assert job.verdicts == {r: [1] for r in survivors}
+    everything = [(e, o, t) for e in range(1, epochs + 1) for o in range(workers) for t in range(steps)]
+    assert sorted(job.trained) == everything  # exact coverage: none lost, none twice
+    assert job.trained_by.count(1) == 3
+    pushed = [w.books.pushed for w in job.workers]
     for server in job.servers:
-        assert server.books.applied[1] == server.books.received[1] == 3
+        assert server.books.applied == server.books.received == pushed
+        assert server.dead == {1} and server.clock.keys() <= {0, 2}
+    if staleness != 0:  # each gradient once at LR / N = 1/16: the order-free sum
+        want = np.zeros(size, np.float32)
+        for key in everything:
+            want -= counted_grad(size)(want, key) / np.float32(16)
+        for r in survivors:
+            assert np.array_equal(job.full[r], want), r
+    (lost,) = job.servers[0].books.lost
+    assert lost["rank"] == dead_rank and lost["epoch"] == 1 and lost["silent_seconds"] == 99.0
 
 
-def test_a_dead_worker_ends_the_job_at_a_finite_staleness():
+def test_a_frozen_worker_is_dropped_and_told_to_leave_when_it_wakes_up():
+    """Worker 1 freezes in its 3rd gradient (its heartbeat stops; the thread is alive): at
+    staleness 1 the others would wait for it, so server 0 drops it, hands its batch to another,
+    and when it wakes up and pushes, both servers answer DROPPED: it leaves (Dropped), nothing of
+    its late gradient is applied, and every batch is still applied exactly once."""
+    workers, steps, size = 3, 6, 6
+    frozen = threading.Event()
+
+    def delay(w: int) -> None:
+        if w == 1 and job.workers[1].books.pushed == 2:
+            frozen.set()
+            while not all(1 in s.dead for s in job.servers):  # frozen until both dropped it
+                time.sleep(0.001)
+        else:
+            time.sleep(0.005)
+
+    job = Job(2, workers, 1, size=size, steps=steps, epochs=2, lr=lambda e, t: 3 / 16,
+              grad=counted_grad(size), silent=lambda: {3: 12.0} if frozen.is_set() else {},
+              on_dead=lambda rank, quiet: True, delay=delay)
+    job.run()
+    assert set(job.errors) == {3} and isinstance(job.errors[3], ps.Dropped), job.errors
+    assert "worker rank 3 was dropped by the servers" in str(job.errors[3])
+    applied = [(k, w) for k, w in zip(job.trained, job.trained_by, strict=True)]
+    late = applied.pop(max(i for i, (_, w) in enumerate(applied) if w == 1))  # computed, refused
+    everything = [(e, o, t) for e in (1, 2) for o in range(workers) for t in range(steps)]
+    assert sorted(k for k, _ in applied) == everything and late[0][0] == 1
+    for server in job.servers:
+        assert server.books.applied == server.books.received
+        assert server.books.applied[1] == 2 and sum(server.books.applied) == len(everything)
+    assert job.verdicts[0] == [1]
+
+
+def test_a_dropped_worker_that_comes_back_changes_nothing_and_gets_a_notice():
+    """Server-side, message by message: worker 0 is dropped while its reply waits for the bound
+    (it gets the DROPPED notice at once, a header alone, which a worker reads as Dropped in any
+    epoch); a PUSH that it sends later lands in its tomb and is answered with another notice: no
+    weight, clock or counter moves."""
+    net = Net()
+    cfg = ps.Config(ps.Roles(1, 4), 4, 1, 0.0, "torch", 10, lambda e, t: 0.3)
+    server = ps.Server(cfg, net.link(0), 0, np.zeros(4, np.float32))
+    server.begin_epoch(1)
+    for w in range(3):
+        deliver(server, w, ps.PULL)
+    replied(net, server)
+    deliver(server, 2, ps.PUSH, 1)
+    deliver(server, 2, ps.PUSH, 2, t=1)  # 2 ahead of 0 and 1: waits
+    deliver(server, 0, ps.PUSH, 1)
+    deliver(server, 0, ps.PUSH, 2, t=1)  # 2 ahead of 1: waits
+    assert replied(net, server) == [0, 2]
+    deliver(server, 1, ps.PUSH, 1)  # the slowest at 1: both answered
+    assert sorted(replied(net, server)) == [0, 1, 2]
+    deliver(server, 0, ps.PUSH, 3, t=2)  # waits for worker 1 (clock 1)
+    assert replied(net, server) == []
+    server.drop(0)  # silent now: its owed reply is the notice
+    notice = net.queues[(0, 1, ps.TAG_DOWN)].popleft()
+    h = ps.header(notice)
+    assert len(notice) == ps.HEADER and h[ps.KIND] == ps.WEIGHTS and h[ps.FLAGS] == ps.DROPPED
+    before = (server.weights.copy(), list(server.books.applied), dict(server.clock))
+    assert 0 not in server.clock and server.tombs[0] is not None and server.recvs[0] is None
+    msg = server.inbox[0]
+    ps.header(msg)[ps.KIND] = ps.PUSH
+    server.handle(cfg.roles.workers + 1 + 0, len(msg))  # its late PUSH, in the tomb
+    assert (server.weights.tolist(), server.books.applied, server.clock) == \
+        (before[0].tolist(), before[1], before[2])
+    assert len(net.queues[(0, 1, ps.TAG_DOWN)]) == 1 and server.tombs[0] is None
+    worker = ps.Worker(cfg, net.link(1), 0)
+    worker.inbox[0][:ps.HEADER] = notice
+    with pytest.raises(ps.Dropped):  # what it makes of the notice, in any epoch
+        worker.check_reply(0, ps.HEADER, 7)
+
+
+def test_the_lr_follows_the_workers_left():
+    """3 workers, LR 0.6 for 3 (0.2 per gradient at K > 0) and, by the run's rule, 0.2 for 2:
+    once worker 2 is dropped, a gradient moves the weights by 0.2 / 2 at K = 1, and a step of
+    the 2 left by 0.2 at K = 0 (the step in which it was lost, its gradient already in, averages
+    3 gradients at 0.6)."""
+    live_lr = lambda e, t, n: {2: 0.2}[n]  # noqa: E731
+    net = Net()
+    cfg = ps.Config(ps.Roles(1, 4), 4, 1, 0.0, "torch", 10, lambda e, t: 0.6, live_lr=live_lr)
+    server = ps.Server(cfg, net.link(0), 0, np.zeros(4, np.float32))
+    server.begin_epoch(1)
+    deliver(server, 0, ps.PUSH, 1)
+    np.testing.assert_allclose(server.weights, -0.2)
+    server.drop(2)
+    deliver(server, 0, ps.PUSH, 2, t=1)
+    np.testing.assert_allclose(server.weights, -0.3)
+    net = Net()
+    sync = ps.Server(dataclasses.replace(cfg, staleness=0), net.link(0), 0, np.zeros(4, np.float32))
+    sync.begin_epoch(1)
+    for w in range(3):
+        deliver(sync, w, ps.PUSH, 1)
+    np.testing.assert_allclose(sync.weights, -0.6)
+    deliver(sync, 2, ps.PUSH, 2, t=1)  # held in its step; then it is lost
+    deliver(sync, 0, ps.PUSH, 2, t=1)
+    sync.drop(2)
+    assert sync.books.updates == 1  # the step still waits for worker 1
+    deliver(sync, 1, ps.PUSH, 2, t=1)
+    assert sync.books.updates == 2 and sync.books.applied == [2, 2, 2]
+    np.testing.assert_allclose(sync.weights, -1.2)
+    deliver(sync, 0, ps.PUSH, 3, t=2)
+    deliver(sync, 1, ps.PUSH, 3, t=2)
+    assert sync.books.updates == 3 and sync.books.applied == [3, 3, 2]
+    np.testing.assert_allclose(sync.weights, -1.4, rtol=1e-6)
+
+
+def test_the_runs_lr_for_fewer_workers_is_the_rings_rule_for_them():
+    """The run's Config: the LR for all workers is FixedLoop's own; for n left it is the same
+    rule (warm-up from the base LR, scaling, decay) with the target scaled for n."""
+    from types import SimpleNamespace
+
+    from ringtrain.lr import scaled_lr
+    from ringtrain.strategies.ps import run as ps_run
+    from ringtrain.training.fixed_loop import FixedLoop
+
+    args = SimpleNamespace(base_lr=0.01, lr_scaling="linear", adasum=False, warmup_epochs=1,
+                           epochs=4, lr_decay="cosine", stall_timeout=10.0, momentum=0.9,
+                           staleness="4")
+    loops = {n: SimpleNamespace(args=args, steps=10, target_lr=scaled_lr(0.01, n)) for n in (2, 3)}
+    fixed = SimpleNamespace(steps=10, lr=lambda e, s: FixedLoop.lr(loops[3], e, s))
+    stub = type("Stub", (ps_run.ParameterServerRun,), {"momentum_rule": "torch"})
+    stub.__abstractmethods__ = frozenset()
+    run = object.__new__(stub)
+    run.args, run._roles, run.size = args, ps.Roles(1, 4), 6
+    cfg = run.config(fixed)
+    for epoch, step in [(1, 0), (1, 5), (2, 3), (4, 9)]:
+        assert cfg.lr_for(epoch, step, 3) == FixedLoop.lr(loops[3], epoch, step)
+        assert cfg.lr_for(epoch, step, 2) == pytest.approx(FixedLoop.lr(loops[2], epoch, step))
+    assert cfg.lr_for(2, 0, 2) == pytest.approx(0.02) and cfg.lr_for(2, 0, 3) == pytest.approx(0.03)
+
+
+@pytest.mark.parametrize("staleness", ["4", "0", "inf"])
+def test_the_run_trains_on_without_a_worker_only_where_the_launcher_survives(monkeypatch,
+                                                                            staleness):
+    """At any staleness: under mpirun --enable-recovery a warning line and the job goes on;
+    without it one line saying what the launcher needs (python -m launch.horovodrun passes it)."""
+    from types import SimpleNamespace
+
+    from ringtrain.faults import watchdog
+    from ringtrain.strategies.ps import run as ps_run
+
+    class Ended(Exception):
+        pass
+
+    def end_job(line: str) -> None:
+        raise Ended(line)
+
+    monkeypatch.setattr(watchdog, "end_job", end_job)
+    stub = type("Stub", (ps_run.ParameterServerRun,), {})
+    stub.__abstractmethods__ = frozenset()
+    run = object.__new__(stub)
+    run.args, run._roles = SimpleNamespace(staleness=staleness), ps.Roles(1, 4)
+    run.server = SimpleNamespace(dead=set())
+    monkeypatch.setattr(ps_run.ps_mpi, "recovery_enabled", lambda: False)
+    with pytest.raises(Ended) as err:
+        run._on_dead(3, 6.0)
+    line = str(err.value)
+    assert line.startswith("worker rank 3 is dead, frozen or cut off (no heartbeat for 6 s)")
+    assert "--enable-recovery" in line and "python -m launch.horovodrun passes it" in line
+    monkeypatch.setattr(ps_run.ps_mpi, "recovery_enabled", lambda: True)
+    assert run._on_dead(3, 6.0) is True
+
+
+def test_a_dead_worker_ends_the_job_where_the_launcher_cannot_go_on():
+    """``on_dead`` False (the run's answer without --enable-recovery): the job ends, naming it."""
     def silent() -> dict[int, float]:
         return {3: 42.0} if job.gone[1].is_set() else {}
 
@@ -443,6 +639,24 @@ def test_a_dead_worker_ends_the_job_at_a_finite_staleness():
               dies={1: 2}, deadline=3.0, delay=lambda w: time.sleep(0.002))
     job.run()
     assert isinstance(job.errors.get(0), ps.PeerSilent) and str(job.errors[0]) == "worker rank 3"
+
+
+def test_the_summary_names_the_lost_worker_and_when():
+    from ringtrain.strategies.ps.run import report_lines, summary_record
+
+    cfg = ps.Config(ps.Roles(1, 4), 6, 4, 0.0, "torch", 10, lambda e, t: 0.1)
+    lost = {"rank": 3, "epoch": 2, "updates": 412, "seconds": 18.4, "silent_seconds": 6.0}
+    books = [{"server": 0, **ps.ServerBooks(applied=[10, 10, 4], received=[10, 10, 4],
+                                            seconds=2.0, epoch_seconds=[1.0, 1.0],
+                                            lost=[lost]).record()},
+             *({"worker": w, **ps.WorkerBooks(pushed=10, seconds=2.0).record()} for w in (0, 1))]
+    record = summary_record(books, cfg, 10, [2])
+    assert record["lost_workers"] == [3] and record["lost"] == [lost]
+    assert record["exactly_once"]
+    assert report_lines(record)[-1] == ("ps: lost worker rank 3 in epoch 2: dropped 18 s into "
+                                        "training, after 412 updates, its heartbeat silent for "
+                                        "6 s; trained on with 2 worker(s)")
+    assert "20 gradients pushed (and 4 by the lost worker(s)), 24 applied" in report_lines(record)[0]
 
 
 def test_non_finite_weights_stop_every_worker_at_that_step():
@@ -561,8 +775,7 @@ def reply(cfg: ps.Config, s: int, owner: int, t: int, epoch: int = 1, length: in
 
 @pytest.mark.parametrize("owner,t,length,says", [
     (1, -1, None, "batch -1 of worker 1"), (7, 0, None, "batch 0 of worker 7"),
-    (1, 4, None, "batch 4 of worker 1"), (0, 0, ps.HEADER, "a reply of 8 values"),
-    (0, 2, None, "its own batch 2")])
+    (1, 4, None, "batch 4 of worker 1"), (0, 0, ps.HEADER, "a reply of 8 values")])
 def test_a_worker_refuses_a_reply_that_hands_it_no_batch_of_the_epoch(owner, t, length, says):
     """Server 0's reply names the batch a worker trains next: a negative step index picked another
     batch (Python's negative index), a worker out of range another shard; a short reply left the
@@ -578,6 +791,24 @@ def test_a_worker_refuses_a_reply_that_hands_it_no_batch_of_the_epoch(owner, t, 
                           lambda weights: used.append("use"), lambda batch: (np.zeros(6), 0.0))
     assert says in one_line_naming(err.value, "server rank 0")
     assert used == [] and worker.books.pushed == 0
+
+
+def test_a_worker_takes_a_later_own_batch_handed_back_once_and_refuses_it_again():
+    """Its own batch 2 first (a batch of its shard's tail given back by a worker that died): read
+    through fetch, not its in-order reader; the same batch again is refused before anything of
+    it is used, as is any own batch before the next in order."""
+    net = Net()
+    cfg = ps.Config(ps.Roles(2, 4), 6, None, 0.0, "torch", 4, lambda e, t: 0.1, deadline=0.5,
+                    tick=0.02)
+    worker = ps.Worker(cfg, net.link(2), 0)
+    for _ in range(2):
+        replies(net, 2, (0, reply(cfg, 0, 0, 2)), (1, reply(cfg, 1, ps.NONE, ps.NONE)))
+    used = []
+    with pytest.raises(ps.BadMessage) as err:
+        worker.work_epoch(1, iter(["own"] * 4), lambda o, b: used.append(("fetch", o, b)),
+                          lambda weights: None, lambda batch: (np.zeros(6), 0.0))
+    assert "its own batch 2 again" in one_line_naming(err.value, "server rank 0")
+    assert used == [("fetch", 0, 2)] and worker.books.pushed == 1 and worker.books.own == 1
 
 
 def test_a_reply_of_another_kind_or_epoch_from_any_server_is_refused():

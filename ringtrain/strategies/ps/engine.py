@@ -41,6 +41,15 @@ K = inf never waits for anyone.  Each applied gradient records how many updates 
 applied between the weights it was computed on and its own application (the staleness
 histogram; 0 throughout at K = 0).
 
+A dead or frozen worker (:meth:`Server.drop`, at any K) leaves the bound: nobody waits for it.
+A gradient of it that reached the server is applied (at K = 0 it stays in its step); the batch
+it was computing, handed out with no gradient back, goes back to server 0's book
+(:meth:`Assigner.give_back`) and is the next batch handed to anyone, and its batches not yet
+handed out are the epoch's tail that the others take: every batch of the epoch is trained once.
+The LR follows the workers still training (:meth:`Config.lr_for`).  A dropped worker that comes
+back (it was frozen, not dead) gets a :data:`DROPPED` notice in answer to anything it sends, or
+at once where it waits for a reply, and leaves (:class:`Dropped`); nothing it sends is used.
+
 Every message is one float32 array: an 8-value header (:data:`HEADER`, read as int32 through a
 view, the step's loss as float32) and, for pushes and replies, the slice.  Nothing is pickled.
 The transport (:class:`Link`) is MPI point to point in a job (``ringtrain.strategies.ps.transport``) and
@@ -72,8 +81,9 @@ KIND, EPOCH, OWNER, T, CLOCK, VERSION, FLAGS, LOSS = range(HEADER)
 PULL, PUSH, FINAL = 1, 2, 3
 # server -> worker, server -> server
 WEIGHTS, EXCHANGE, DEAD = 4, 5, 6
-# FLAGS of a reply: STOP (the weights stopped being finite: train no further)
-STOP = 1
+# FLAGS of a reply: STOP (the weights stopped being finite: train no further).  DROPPED, in a
+# header-only WEIGHTS notice: the servers went on without this worker (it was silent), so it leaves.
+STOP, DROPPED = 1, 2
 # One tag per direction: MPI delivers messages from one sender with one tag in the order sent,
 # so a server sees a worker's pushes before its FINAL, and each reply before the next.
 TAG_UP, TAG_DOWN, TAG_PEER, TAG_CTRL, TAG_VERDICT = 11, 12, 13, 14, 15
@@ -137,6 +147,11 @@ class Link(Protocol):
 
 class PeerSilent(Exception):
     """A peer this rank waits for has been silent past the engine's deadline."""
+
+
+class Dropped(Exception):
+    """This worker was dropped by the servers while it was silent (frozen, or cut off) and has come
+    back: the job trains on without it, and it must leave without touching anyone's state."""
 
 
 class BadMessage(PeerSilent):
@@ -208,19 +223,31 @@ class Assigner:
 
     def __init__(self, workers: int, steps: int) -> None:
         self.workers, self.steps = workers, steps
-        self.next = [0] * workers  # the next own batch not yet handed out
-        self.end = [steps] * workers  # batches from here on were taken by other workers
-        self.stolen = 0
+        self.new_epoch()
 
     def new_epoch(self) -> None:
-        self.next, self.end, self.stolen = [0] * self.workers, [self.steps] * self.workers, 0
+        self.next = [0] * self.workers  # the next own batch not yet handed out
+        self.end = [self.steps] * self.workers  # batches from here on were taken by other workers
+        self.handed: dict[int, tuple[int, int]] = {}  # worker -> the batch it trains (no gradient yet)
+        self.returned: list[tuple[int, int]] = []  # handed to a worker that died before its gradient
+        self.stolen = 0
 
     def left(self, w: int) -> int:
         return self.end[w] - self.next[w]
 
     def take(self, w: int) -> tuple[int, int] | None:
-        """The batch worker ``w`` trains next: its own next one, else the last unassigned batch
-        of the worker with the most left (the lowest index among equals), else None."""
+        """The batch worker ``w`` trains next: one a dead worker was computing (the first given
+        back), else its own next one, else the last unassigned batch of the worker with the most
+        left (the lowest index among equals), else None."""
+        batch = self._pick(w)
+        if batch is not None:
+            self.handed[w] = batch
+        return batch
+
+    def _pick(self, w: int) -> tuple[int, int] | None:
+        if self.returned:  # first: the epoch cannot end before someone has trained it
+            self.stolen += 1
+            return self.returned.pop(0)
         if self.next[w] < self.end[w]:
             self.next[w] += 1
             return w, self.next[w] - 1
@@ -230,6 +257,22 @@ class Assigner:
         self.end[victim] -= 1
         self.stolen += 1
         return victim, self.end[victim]
+
+    def busy(self, w: int) -> bool:
+        """Whether a worker other than ``w`` trains a batch it was handed: if it dies, that batch
+        comes back, and ``w`` must be there to take it."""
+        return any(v != w for v in self.handed)
+
+    def done(self, w: int) -> None:
+        """Worker ``w``'s gradient of the batch it was handed has arrived."""
+        self.handed.pop(w, None)
+
+    def give_back(self, w: int) -> None:
+        """Worker ``w`` is dead: the batch it was computing (handed out, no gradient back) is
+        handed to the next worker that asks."""
+        batch = self.handed.pop(w, None)
+        if batch is not None:
+            self.returned.append(batch)
 
 
 # --- the books --------------------------------------------------------------------------------
@@ -249,6 +292,9 @@ class ServerBooks:
     epoch_bytes: list[tuple[int, int]] = field(default_factory=list)
     epoch_seconds: list[float] = field(default_factory=list)
     stolen: int = 0
+    # server 0: each worker it went on without: rank, epoch, updates applied by then, seconds
+    # into training, seconds of silence
+    lost: list[dict[str, Any]] = field(default_factory=list)
 
     def record(self) -> dict[str, Any]:
         return {"applied": list(self.applied), "received": list(self.received),
@@ -256,7 +302,8 @@ class ServerBooks:
                 "updates": self.updates, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
                 "seconds": self.seconds, "epoch_updates": list(self.epoch_updates),
                 "epoch_bytes": [list(b) for b in self.epoch_bytes],
-                "epoch_seconds": list(self.epoch_seconds), "stolen": self.stolen}
+                "epoch_seconds": list(self.epoch_seconds), "stolen": self.stolen,
+                "lost": [dict(x) for x in self.lost]}
 
 
 @dataclass
@@ -286,6 +333,18 @@ class Config:
     lr: Callable[[int, int], float]  # (epoch, step) -> the ring's LR (scaled by the workers)
     deadline: float | None = None  # s a rank waits for a silent peer before PeerSilent (None: never)
     tick: float = 0.5             # s between a waiting rank's checks
+    # (epoch, step, n) -> the LR rule scaled for n workers (the run's: warm-up and scaling rule
+    # with n); None: lr x n / workers, linear scaling
+    live_lr: Callable[[int, int, int], float] | None = None
+
+    def lr_for(self, epoch: int, step: int, n: int) -> float:
+        """The LR of ``step`` for ``n`` workers training: with a worker lost, the rule as the ring
+        of the survivors would scale it, not as for the workers the job started with."""
+        if n == self.roles.workers:
+            return self.lr(epoch, step)
+        if self.live_lr is not None:
+            return self.live_lr(epoch, step, n)
+        return self.lr(epoch, step) * n / self.roles.workers
 
     @property
     def bounds(self) -> list[int]:
@@ -311,8 +370,8 @@ class Server:
 
     ``silent()`` (server 0) names the ranks whose heartbeats stopped (the watchdog's), with
     seconds of silence; a silent worker is ``on_dead(rank, seconds)``'s to judge: True goes on
-    without it (K = inf, under an MPI that survives a rank's death), False ends the job
-    (:class:`PeerSilent`).  A silent server always ends it: its slice is gone.  ``progress()``
+    without it (:meth:`drop`, at any K, under an MPI that survives a rank's death), False ends
+    the job (:class:`PeerSilent`).  A silent server always ends it: its slice is gone.  ``progress()``
     marks the rank alive for its watchdog after each update; ``on_step(epoch, updates, loss)``
     (server 0) reports each update to the progress bar.
     """
@@ -336,6 +395,11 @@ class Server:
         self.ctrl_buf = np.zeros(HEADER, np.float32)
         self.ctrl: Any = None
         self.dead: set[int] = set()  # worker indices, run-wide
+        # A dead worker's receive stays posted (its tomb): if it was only frozen and comes back,
+        # what it sends lands there and is answered with a DROPPED notice, never used.
+        self.tombs: list[Any] = [None] * w
+        self.notices: list[tuple[np.ndarray, Any]] = []  # never waited for: the peer may be dead
+        self.started: float | None = None  # the first epoch's start (server 0's lost records)
         self.assigner = Assigner(w, cfg.steps) if index == 0 else None
         self.diverged: tuple[int, int, float] | None = None  # (epoch, step, loss) of the first
         self.sum = np.zeros(n, np.float32)
@@ -362,10 +426,11 @@ class Server:
         pulls; then answer every FINAL with this epoch's last weights."""
         cfg, books = self.cfg, self.books
         t0, b0, u0 = time.monotonic(), (books.bytes_in, books.bytes_out), books.updates
+        self.started = t0 if self.started is None else self.started
         self.begin_epoch(epoch)
         last_message = last_check = time.monotonic()
         while not self.epoch_done():
-            got = self.link.wait_any([*self.recvs, self.ctrl], cfg.tick)
+            got = self.link.wait_any([*self.recvs, self.ctrl, *self.tombs], cfg.tick)
             now = time.monotonic()
             if got is None or now - last_check >= cfg.tick:
                 last_check = now
@@ -373,7 +438,7 @@ class Server:
             if got is not None:
                 last_message = now
                 self.handle(*got)
-        for w in sorted(self.finals):  # not waited for: a worker may die after its FINAL
+        for w in sorted(self.finals - self.dead):  # not waited for: a worker may die after its FINAL
             self._reply(w, None)
         books.epoch_seconds.append(time.monotonic() - t0)
         books.seconds += books.epoch_seconds[-1]
@@ -404,11 +469,18 @@ class Server:
         return set(self._live()) <= self.finals
 
     def handle(self, i: int, count: int) -> None:
-        """The message that completed receive ``i`` (a worker's, or at ``workers`` server 0's
-        word that a worker is dead), then every reply that may now go."""
-        if i == self.cfg.roles.workers:
-            self._dead(self._check_dead(count))
+        """The message that completed receive ``i`` (a worker's; at ``workers`` server 0's word
+        that a worker is dead; above, what a dropped worker sent after all), then every reply
+        that may now go."""
+        workers = self.cfg.roles.workers
+        if i == workers:
+            self.drop(self._check_dead(count))
             self.ctrl = self.link.irecv(0, TAG_CTRL, self.ctrl_buf)
+        elif i > workers:
+            # A dropped worker came back: nothing of its message is used (it may be of an epoch
+            # long gone); the notice tells it to leave.
+            self.tombs[i - workers - 1] = None
+            self._notify_dropped(i - workers - 1)
         else:
             self._receive(i, count)
         self._answer()
@@ -478,35 +550,46 @@ class Server:
             self.finals.add(w)
             self.clock.pop(w, None)  # done with this epoch: nobody waits for it
             self._post(w)
+            self._step_if_complete()  # K = 0: the others' step no longer waits for it
         else:  # PUSH
             self.pushes[w] += 1
             self.books.received[w] += 1
             clock = int(h[CLOCK])
             self.pending[w] = clock
+            if self.assigner is not None:
+                self.assigner.done(w)
             if self.diverged is not None:  # stopping: gradients of non-finite weights are dropped
                 self._post(w)
             elif self.cfg.staleness == 0:  # its buffer is held (not reposted) until the step's update
                 self.held[w] = (int(h[OWNER]), int(h[T]), int(h[VERSION]))
-                if len(self.held) == len(self.clock):
-                    self._apply_step()
+                self._step_if_complete()
             else:
                 self._apply_one(w, clock)
                 self._post(w)
 
     def _apply_one(self, w: int, clock: int) -> None:
-        """K > 0: this gradient alone, at LR / N."""
+        """K > 0: this gradient alone, at LR / N, N the workers still training (the LR too is
+        the rule's for N: :meth:`Config.lr_for`)."""
         buf, cfg = self.inbox[w], self.cfg
         h = header(buf)
         t = int(h[T])
         self.books.staleness[self.books.updates - int(h[VERSION])] += 1
-        self.opt.apply(buf[HEADER:], cfg.lr(self.epoch, t) / cfg.roles.workers)
+        n = len(self._live())
+        self.opt.apply(buf[HEADER:], cfg.lr_for(self.epoch, t, n) / n)
         self.books.updates += 1
         self.books.applied[w] += 1
         self.clock[w] = clock
         self._after_update(t, loss_of(buf))
 
+    def _step_if_complete(self) -> None:
+        """K = 0: the step's update once every worker still at the epoch has pushed."""
+        if self.cfg.staleness == 0 and self.held and set(self.clock) <= set(self.held):
+            self._apply_step()
+
     def _apply_step(self) -> None:
-        """K = 0: the mean of the step's gradients, summed in worker order, one update at LR."""
+        """K = 0: the mean of the step's gradients, summed in worker order, one update at the LR
+        for that many workers (all of them, but in the step that lost one: its gradient, if it
+        arrived, is still averaged in)."""
         workers = sorted(self.held)
         t = self.held[workers[0]][1]
         self.sum[:] = self.inbox[workers[0]][HEADER:]
@@ -515,13 +598,14 @@ class Server:
         self.sum /= np.float32(len(workers))
         for w in workers:
             self.books.staleness[self.books.updates - self.held[w][2]] += 1
-        self.opt.apply(self.sum, self.cfg.lr(self.epoch, t))
+        self.opt.apply(self.sum, self.cfg.lr_for(self.epoch, t, len(workers)))
         self.books.updates += 1
         loss = float(np.mean([loss_of(self.inbox[w]) for w in workers]))
         for w in workers:
             self.books.applied[w] += 1
-            self.clock[w] += 1
-            self._post(w)
+            if w not in self.dead:  # a dead one's receive is its tomb, already posted
+                self.clock[w] += 1
+                self._post(w)
         self.held = {}
         self._after_update(t, loss)
 
@@ -544,9 +628,17 @@ class Server:
     def _answer(self) -> None:
         for w, clock in list(self.pending.items()):
             if self._ready(w, clock):
-                del self.pending[w]
                 take = self.assigner is not None and self.diverged is None
-                self._reply(w, self.assigner.take(w) if take else None)
+                batch = self.assigner.take(w) if take else None
+                if batch is None and take and self.assigner.busy(w):
+                    # Nothing left to hand out, but another worker's batch is still out: its
+                    # reply waits until that one is pushed (then: no batch, FINAL) or given back
+                    # by a worker that died (then: this one trains it).  A worker sent on to its
+                    # FINAL could not take it (the other servers end the epoch on the FINALs),
+                    # and its FINAL would wait for the epoch's end anyway.
+                    continue
+                del self.pending[w]
+                self._reply(w, batch)
 
     def _reply(self, w: int, batch: tuple[int, int] | None) -> None:
         out = self.outbox[w]
@@ -576,12 +668,19 @@ class Server:
                     continue
                 if not self.on_dead(rank, quiet):
                     raise PeerSilent(f"worker rank {rank}")
-                self._dead(w)
+                started = self.started if self.started is not None else time.monotonic()
+                self.books.lost.append({"rank": rank, "epoch": self.epoch,
+                                        "updates": self.books.updates,
+                                        "seconds": round(time.monotonic() - started, 1),
+                                        "silent_seconds": round(quiet, 1)})
+                self.drop(w)
                 for s in range(1, roles.servers):  # so that they stop waiting for it too
                     msg = np.zeros(HEADER, np.float32)
                     h = header(msg)
                     h[KIND], h[EPOCH], h[OWNER] = DEAD, self.epoch, w
                     self._wait(self.link.isend(s, TAG_CTRL, msg), f"server rank {s}")
+                # the pulls that waited for it (the bound, K = 0's step) may go now
+                self._answer()
         deadline = self.cfg.deadline
         if deadline is not None and quiet_for > deadline:
             waited = [w for w in self._live()
@@ -589,14 +688,37 @@ class Server:
             if waited:
                 raise PeerSilent(", ".join(f"worker rank {roles.worker_rank(w)}" for w in waited))
 
-    def _dead(self, w: int) -> None:
-        """Go on without worker ``w``: nobody waits for it, its batches not yet handed out go to
-        the others (:meth:`Assigner.take`), the batch it was computing is lost."""
+    def drop(self, w: int) -> None:
+        """Go on without worker ``w``, at any staleness: nobody waits for it (it leaves the
+        clocks), the LR follows the workers left, the batch it was computing and those not yet
+        handed out go to the others (:class:`Assigner`); a gradient of it that arrived is
+        applied (at K = 0, in its step).  Its receive stays posted as its tomb, and if it waits
+        for a reply, it gets the DROPPED notice instead (frozen, it reads it when it wakes up)."""
+        if w in self.dead:
+            return
         self.dead.add(w)
         self.clock.pop(w, None)
-        self.pending.pop(w, None)
-        self.held.pop(w, None)
-        self.recvs[w] = None  # its posted receive is never matched; it is not waited for
+        owed = self.pending.pop(w, None) is not None or w in self.finals  # it waits for a reply
+        tomb = self.recvs[w]
+        self.recvs[w] = None
+        if tomb is None:  # K = 0, its gradient held in inbox[w]: the tomb gets a buffer of its own
+            buf = np.zeros_like(self.inbox[w])
+            tomb = self.link.irecv(self.cfg.roles.worker_rank(w), TAG_UP, buf)
+            self.notices.append((buf, None))  # the buffer lives as long as its receive
+        self.tombs[w] = tomb
+        if self.assigner is not None:
+            self.assigner.give_back(w)
+        if owed:
+            self._notify_dropped(w)
+        self._step_if_complete()
+
+    def _notify_dropped(self, w: int) -> None:
+        """A header-only reply with the DROPPED flag: a send of 32 bytes, which MPI completes
+        without the peer (eager), never waited for: the peer may be dead."""
+        msg = np.zeros(HEADER, np.float32)
+        h = header(msg)
+        h[KIND], h[EPOCH], h[FLAGS] = WEIGHTS, self.epoch, DROPPED
+        self.notices.append((msg, self.link.isend(self.cfg.roles.worker_rank(w), TAG_DOWN, msg)))
 
     def _wait(self, request: Any, what: str) -> int:
         got = self.link.wait(request, forever(self.cfg.deadline))
@@ -740,9 +862,13 @@ class Worker:
 
     def check_reply(self, s: int, count: int, epoch: int) -> None:
         """Server ``s``'s reply in ``self.inbox[s]``, ``count`` values long, checked before
-        anything of it is used (server 0's batch: any batch of the epoch, or none)."""
+        anything of it is used (server 0's batch: any batch of the epoch, or none).  A DROPPED
+        notice (the header alone, of any epoch: this worker may be epochs behind) raises
+        :class:`Dropped`."""
         cfg, h = self.cfg, header(self.inbox[s])
         me, peer = f"worker rank {self.rank}", f"server rank {s}"
+        if count == HEADER and int(h[KIND]) == WEIGHTS and int(h[FLAGS]) == DROPPED:
+            raise Dropped(f"{me} was dropped by the servers (told by {peer}) while it was silent")
         want = HEADER + cfg.length(s)
         if count != want:
             refuse(me, peer, f"a reply of {values(count)}",
@@ -766,14 +892,22 @@ class Worker:
         t0 = time.monotonic()
         batch, flags = self._exchange(PULL, epoch)
         clock, expect = 0, 0
+        late: set[int] = set()  # own batches handed back out of order (see below)
         while batch is not None and not flags & STOP:
             owner, t = batch
-            if owner == self.index:
-                if t != expect:
-                    refuse(f"worker rank {self.rank}", "server rank 0",
-                           f"a reply handing it its own batch {t}", f"its own batch {expect}, "
-                           f"the next in order")
+            if owner == self.index and t == expect and t not in late:
                 data, expect = next(own), expect + 1
+                self.books.own += 1
+            elif owner == self.index:
+                # Out of order: a batch of its shard's tail that a worker which then died had
+                # taken, handed back (Assigner.give_back); never one it has trained already.
+                if t < expect or t in late:
+                    refuse(f"worker rank {self.rank}", "server rank 0",
+                           f"a reply handing it its own batch {t} again",
+                           f"its own batch {expect}, the next in order, or a later one it has "
+                           f"not trained")
+                late.add(t)
+                data = fetch(owner, t)
                 self.books.own += 1
             else:
                 data = fetch(owner, t)

@@ -18,12 +18,15 @@ whether the weights stayed finite; then :meth:`FixedLoop.end_epoch` as for the r
 metrics on those weights, split over all ranks, and server 0's checkpoint (today's format, so
 ``--resume`` works across strategies and any number of servers).
 
-Faults (docs/parameter-servers.md): a worker whose heartbeat stops for ``--stall-timeout`` s is
-dead or frozen.  At ``--staleness inf`` the job goes on without it, if the launcher survives a
-rank's death (Open MPI 4's ``mpirun --enable-recovery``; without it, mpirun ends every rank when
-one dies, so the job ends now, in one line saying so); at any other staleness the others would
-wait for it, so it ends in one line naming it.  A server that dies takes its slice with it: one
-line.  Server 0 itself dead: the workers' watchdogs name it.
+Faults (docs/parameter-servers.md): a worker whose heartbeat stops for half the
+``--stall-timeout`` is dead or frozen.  At any staleness the job goes on without it, if the
+launcher survives a rank's death (Open MPI 4's ``mpirun --enable-recovery``, which
+``python -m launch.horovodrun`` passes for ``--strategy ps``; without it, mpirun ends every rank
+when one dies, so the job ends now, in one line saying so): the servers drop it from the bound,
+its batches go to the others, the LR follows the workers left, and the summary names it.  A
+dropped worker that comes back (it was frozen) is told so and leaves with a warning line.  A
+server that dies takes its slice with it: one line.  Server 0 itself dead: the workers' watchdogs
+name it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from ringtrain.faults import watchdog
+from ringtrain.lr import lr_at, scaled_lr
 from ringtrain.strategies.ps import engine as ps
 from ringtrain.strategies.ps import options as flags
 from ringtrain.strategies.ps import transport as ps_mpi
@@ -211,8 +215,28 @@ class ParameterServerRun(FrameworkRun):
         # The engine's own deadline is a backstop: the watchdog ends a stalled job first, at
         # --stall-timeout, naming the silent rank from its heartbeats.
         deadline = a.stall_timeout + 2 * watchdog.GRACE if a.stall_timeout > 0 else None
+
+        def live_lr(epoch: int, step: int, n: int) -> float:
+            # FixedLoop.lr's rule with the target scaled for the n workers left, not the
+            # workers the job started with: the survivors' ring would use that one.
+            return lr_at(epoch - 1 + step / fixed.steps, a.base_lr,
+                         scaled_lr(a.base_lr, n, a.lr_scaling, a.adasum), a.warmup_epochs,
+                         a.epochs, a.lr_decay)
+
         return ps.Config(self.roles, self.size, flags.staleness(a), a.momentum,
-                         self.momentum_rule, fixed.steps, fixed.lr, deadline=deadline)
+                         self.momentum_rule, fixed.steps, fixed.lr, deadline=deadline,
+                         live_lr=live_lr)
+
+    def live_workers(self) -> int:
+        """The workers still training: server 0's own count during an epoch (it drops them), the
+        run-wide verdict's on every rank between epochs."""
+        if self._rank == 0 and hasattr(self, "server"):
+            return self.roles.workers - len(self.server.dead)
+        return self.roles.workers - len(self.lost)
+
+    def lr_now(self, epoch: int, step: int) -> float:
+        """The LR of ``step`` for the workers still training (what the servers apply)."""
+        return self.cfg.lr_for(epoch, step, self.live_workers())
 
     def fit(self, fixed: FixedLoop) -> None:
         cfg = self.config(fixed)
@@ -231,6 +255,8 @@ class ParameterServerRun(FrameworkRun):
             self.images = 0
             try:
                 dead = self._train_epoch(epoch)
+            except ps.Dropped as err:
+                self._leave_dropped(err)
             except ps.PeerSilent as err:
                 watchdog.end_job(self._silent_line(err))
             if dead != self.lost:
@@ -238,7 +264,7 @@ class ParameterServerRun(FrameworkRun):
             self._epoch_weights(epoch)
             self._stop_if_diverged()
             fixed.end_epoch(epoch, train_sums=[self.take_loss_sum(), self.images],
-                            seconds=time.perf_counter() - t0, lr=fixed.lr(epoch, fixed.steps - 1))
+                            seconds=time.perf_counter() - t0, lr=self.lr_now(epoch, fixed.steps - 1))
             self._report_epoch(epoch)
         self._report_run()
 
@@ -275,7 +301,7 @@ class ParameterServerRun(FrameworkRun):
         self.set_flat(full)
         if self._rank == 0:
             fixed = self.fixed
-            self.set_velocity(velocity, epoch * fixed.steps, fixed.lr(epoch, fixed.steps - 1))
+            self.set_velocity(velocity, epoch * fixed.steps, self.lr_now(epoch, fixed.steps - 1))
 
     def _stop_if_diverged(self) -> None:
         """Every rank learns the first server whose weights stopped being finite, and all stop
@@ -305,24 +331,36 @@ class ParameterServerRun(FrameworkRun):
         return watchdog.silent_ranks()
 
     def _on_dead(self, rank: int, quiet: float) -> bool:
-        """A worker is dead or frozen: go on without it (True), or end the job with one line."""
+        """A worker is dead or frozen: go on without it (True), at any staleness, where the
+        launcher survives a rank's death; else end the job with one line saying what it needs."""
         who = f"worker {watchdog.describe_rank(rank)}"
         k = flags.staleness(self.args)
-        if k is not None:
-            watchdog.end_job(f"{who} is dead, frozen or cut off (no heartbeat for {quiet:.0f} s); "
-                             f"with --staleness {k} the other workers may not run more than {k} "
-                             f"steps ahead of it, so the job ends (only --staleness inf trains on "
-                             f"without a worker, under mpirun --enable-recovery)")
         if not ps_mpi.recovery_enabled():
             watchdog.end_job(f"{who} is dead, frozen or cut off (no heartbeat for {quiet:.0f} s); "
-                             f"--staleness inf would train on without it, but Open MPI's mpirun "
-                             f"ends every rank once one dies unless it runs with --enable-recovery "
-                             f"(horovodrun --mpi-args=--enable-recovery), so the job ends now")
+                             f"the servers would train on without it, but Open MPI's mpirun "
+                             f"ends every rank once one dies unless it runs with "
+                             f"--enable-recovery (python -m launch.horovodrun passes it for "
+                             f"--strategy ps; plain horovodrun needs "
+                             f"--mpi-args=--enable-recovery), so the job ends now")
         left = self.roles.workers - len(self.server.dead) - 1
-        print(f"warning: {who} is dead, frozen or cut off (no heartbeat for {quiet:.0f} s); "
-              f"--staleness inf trains on with {left} worker(s); the batch it was computing is "
-              f"lost, its other batches go to the others", flush=True)
+        # rank 0 draws the progress bar: the warning starts a line of its own
+        bar = "\n" if getattr(getattr(self, "fixed", None), "progress", None) is not None \
+            and self.fixed.progress.bar else ""
+        print(f"{bar}warning: {who} is dead, frozen or cut off (no heartbeat for {quiet:.0f} s); "
+              f"--staleness {'inf' if k is None else k} trains on with {left} worker(s): nobody "
+              f"waits for it, the batch it was computing and its batches not yet handed out go "
+              f"to the others, the LR follows {left} worker(s)", flush=True)
         return True
+
+    def _leave_dropped(self, err: ps.Dropped) -> None:
+        """This worker was frozen (or cut off) long enough for the servers to go on without it,
+        and has come back: it leaves, with a warning (the job is not failing), without MPI's
+        finalize (its closing fence would wait for ranks that never join it) and without
+        MPI_Abort (under --enable-recovery that would end only this rank, but its guardian would
+        then stop the launcher, and the job with it)."""
+        print(f"warning: {err}; the job trains on without it, so it leaves", flush=True)
+        watchdog.disarm()  # its guardian leaves too, without killing it
+        ps_mpi.leave(0)
 
     def _go_on_without(self, dead: list[int]) -> None:
         """Every survivor: the run's collectives from now on over the ranks still alive."""
@@ -351,13 +389,14 @@ class ParameterServerRun(FrameworkRun):
     def _on_step(self, epoch: int, updates: int, loss: float) -> None:
         """Server 0's progress bar and per-step TensorBoard: a step is one update at K = 0, N
         applied gradients (one round of the workers) above."""
-        fixed, per = self.fixed, 1 if self.cfg.staleness == 0 else self.roles.workers
+        live = self.live_workers()
+        fixed, per = self.fixed, 1 if self.cfg.staleness == 0 else live
         this_epoch = updates - sum(self.server.books.epoch_updates)
         if this_epoch % per == 0:
             step = min(this_epoch // per, fixed.steps)
             rows = self.args.batch_size * self.args.backward_passes_per_step
-            fixed.progress.step(epoch, step, fixed.steps, loss=loss, lr=fixed.lr(epoch, step - 1),
-                                consumed=step * rows * self.roles.workers)
+            fixed.progress.step(epoch, step, fixed.steps, loss=loss, lr=self.lr_now(epoch, step - 1),
+                                consumed=step * rows * live)
 
     def _books(self) -> dict[str, Any]:
         if self.serves:
@@ -434,6 +473,10 @@ def summary_record(books: list[dict[str, Any]], cfg: ps.Config, steps: int,
         "worker_seconds": [b["seconds"] for b in workers],
         "worker_batches": [[b["own"], b["taken"]] for b in workers],
         "lost_workers": [cfg.roles.worker_rank(w) for w in lost],
+        # when each was lost, as server 0 saw it: epoch, its updates by then, seconds into
+        # training, seconds of silence
+        "lost": [x for x in servers[0].get("lost", [])
+                 if x["rank"] in {cfg.roles.worker_rank(w) for w in lost}],
     }
 
 
@@ -445,9 +488,12 @@ def report_lines(record: dict[str, Any]) -> list[str]:
     applied = r["gradients_applied"]
     once = ("every pushed gradient applied exactly once" if r["exactly_once"]
             else "COUNTERS DISAGREE: " + f"pushed {r['pushed']}, applied {r['applied']}")
+    # a lost worker's books left with it: its gradients are those the servers applied beyond
+    by_lost = (f" (and {applied[0] - r['gradients_pushed']} by the lost worker(s))"
+               if r["lost_workers"] else "")
     lines = [
         f"ps: {r['servers']} server(s), {r['workers']} worker(s), --staleness {r['staleness']}: "
-        f"{r['gradients_pushed']} gradients pushed, {applied[0]} applied by each server "
+        f"{r['gradients_pushed']} gradients pushed{by_lost}, {applied[0]} applied by each server "
         f"({once}); {r['batches_handed_over']} batches handed to another worker",
         f"ps: staleness (server updates behind, per applied gradient): "
         f"{ps.histogram_line(r['staleness_histogram'])}",
@@ -457,6 +503,13 @@ def report_lines(record: dict[str, Any]) -> list[str]:
         f"{sum(waits) / len(waits):.1f} s of {sum(spent) / len(spent):.1f} s each (mean)",
     ]
     if r["lost_workers"]:
-        lines.append(f"ps: lost worker rank(s) {', '.join(map(str, r['lost_workers']))}")
+        when = {x["rank"]: x for x in r.get("lost", [])}
+        said = [f"rank {rank}" + (f" in epoch {when[rank]['epoch']}: dropped {when[rank]['seconds']:.0f} "
+                                  f"s into training, after {when[rank]['updates']} updates, its "
+                                  f"heartbeat silent for {when[rank]['silent_seconds']:.0f} s"
+                                  if rank in when else "")
+                for rank in r["lost_workers"]]
+        left = r["workers"] - len(r["lost_workers"])
+        lines.append(f"ps: lost worker {'; '.join(said)}; trained on with {left} worker(s)")
     return lines
 
