@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from ringtrain import horovod_tools, model_spec
+from ringtrain import horovod_tools, model_spec, optimizer_spec
 from ringtrain.data import dataset, decoded_cache, images, mnist
 from ringtrain.errors import UserError
 from ringtrain.lr import DECAY_RULES, SCALING_RULES
@@ -50,7 +50,10 @@ def add_trainer_args(parser: argparse.ArgumentParser,
                         "epochs (Goyal et al. 2017; default 1, 0 disables)")
     g.add_argument("--lr-decay", choices=DECAY_RULES, default="cosine",
                    help="after warm-up: cosine-anneal the LR to 0 by the last epoch, or keep it")
-    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9; 0 = plain SGD)")
+    g.add_argument("--momentum", type=float, default=None,
+                   help="momentum of --optimizer sgd (default 0.9; 0 = plain SGD) or rmsprop "
+                        "(default 0)")
+    optimizer_spec.add_args(g)  # --optimizer, --weight-decay, --clip-grad-norm, --precision
     g.add_argument("--seed", type=int, default=42,
                    help="seeds weights (rank 0's are broadcast) and the per-epoch data order")
     g.add_argument("--amp", action="store_true",
@@ -212,6 +215,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     if args.tensorboard_steps and not args.tensorboard:
         raise UserError("--tensorboard-steps needs --tensorboard DIR (where to write)")
     model_spec.check_spec(args.model)
+    optimizer_spec.check(args)
     validate_performance(args, kind)
     return args
 

@@ -35,6 +35,13 @@ SMALL = ["--train-samples", "256", "--test-samples", "100", "--epochs", "1", "--
     (["--strategy", "ps", "--autotune"], "--strategy ps cannot run with --autotune: Horovod's autotuner"),
     (["--strategy", "ps", "--ps-servers", "0"], "--ps-servers must be at least 1"),
     (["--staleness", "4"], "add --strategy ps"),
+    (["--optimizer", "lamb"], "--optimizer must be sgd, adamw, adam, rmsprop or package.module:function"),
+    (["--weight-decay", "-1"], "--weight-decay must be a number >= 0, got -1"),
+    (["--clip-grad-norm", "0"], "--clip-grad-norm must be a positive number"),
+    (["--precision", "bf16", "--amp"], "--precision bf16 and --amp"),
+    (["--optimizer", "adam", "--momentum", "0.9"], "--momentum is a hyperparameter of sgd and rmsprop"),
+    (["--strategy", "ps", "--optimizer", "adamw"], "--optimizer adamw works on the ring only for now"),
+    (["--pipeline-stages", "2", "--precision", "bf16"], "--precision bf16 works on the ring only"),
 ])
 def test_bad_flags(module, flags, needle):
     one_error_line(run([sys.executable, "-m", module, *flags]), needle)

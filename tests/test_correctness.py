@@ -48,6 +48,16 @@ def load_params(path: Path) -> list[np.ndarray]:
     return [t.numpy() for t in state.values()]
 
 
+def read_meta(path: Path) -> dict:
+    """A checkpoint's metadata, from either framework's file."""
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as z:
+            return json.loads(str(z["meta"]))
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)["meta"]
+
+
 def ckpt(folder: Path) -> Path:
     files = sorted(folder.glob("ckpt-epoch*.*"))
     assert files, f"no checkpoint in {folder}"
@@ -73,6 +83,13 @@ INV6 = ["--train-samples", "256", "--test-samples", "100", "--batch-size", "32",
         "--warmup-epochs", "2", "--lr-decay", "none", "--base-lr", "0.01", "--no-progress"]
 INV7 = [*PLAIN, "--train-samples", str(2 * 4 * 64)]
 INV8 = [*PLAIN, "--train-samples", "384", "--batch-size", "32"]
+# AdamW with decoupled weight decay and gradients clipped to a global norm small enough to scale
+# every step's (their norms are 0.9 to 3 in these 6 steps; docs/training.md, "Choosing an
+# optimizer"): PLAIN without SGD's --momentum.  The
+# clip must see the averaged gradients for N x B to equal 1 x N*B: a clip of each rank's own would
+# average differently scaled gradients.
+ADAMW = [*PLAIN[2:], "--optimizer", "adamw", "--weight-decay", "0.1", "--clip-grad-norm", "0.1",
+         "--base-lr", "0.003", "--train-samples", str(GLOBAL_BATCH * STEPS)]
 # --strategy ps (docs/parameter-servers.md): the ring's whole LR rule (warm-up, cosine decay),
 # momentum and shuffled shards; only dropout off (its masks follow each rank's seed).
 PS = ["--momentum", "0.9", "--dropout", "0", "--warmup-epochs", "1", "--base-lr", "0.05",
@@ -88,6 +105,7 @@ GROUPS: dict[str, tuple[int, str, tuple[str, ...], list[tuple[str, list[str], st
         ("inv5-src", [*INV5, "--train-samples", "256", "--batch-size", "32"], None),
         ("inv8-init", [*INV8, "--base-lr", "1e-12"], None),
         ("ps-single", PS, None),
+        ("adamw-big", [*ADAMW, "--batch-size", str(GLOBAL_BATCH)], None),
     ]),
     "mpi2": (2, "horovodrun", ("single",), [
         ("inv2", [*INV2, "--batch-size", str(GLOBAL_BATCH // 2)], None),
@@ -101,6 +119,9 @@ GROUPS: dict[str, tuple[int, str, tuple[str, ...], list[tuple[str, list[str], st
         ("inv8-half", [*INV8, "--fp16-allreduce"], None),
         ("inv8-predivide", [*INV8, "--gradient-predivide-factor", "2"], None),
         ("ps-ring", PS, None),
+        ("adamw", [*ADAMW, "--batch-size", str(GLOBAL_BATCH // 2)], None),
+        ("adamw-acc", [*ADAMW, "--batch-size", str(GLOBAL_BATCH // 4), "--backward-passes-per-step",
+                       "2"], None),
     ]),
     # 2 servers + 2 workers at K=0 (== mpi2/ps-ring), 3 servers + 1 worker at K=4 (==
     # single/ps-single), 1 server + 3 workers at K=inf (the counters), and a ring checkpoint with
@@ -272,3 +293,19 @@ def test_invariant_10_parameter_servers(fw, runs):
     resumed = runs.metrics(fw, "ps4/inv3-resume")
     assert resumed["resumed_from_epoch"] == 1
     assert_same_params(runs.params(fw, "ps4/inv3-resume"), runs.params(fw, "single/inv3-resume"))
+
+
+# 2 (continued), with AdamW, its decoupled weight decay and the clip of the averaged gradients'
+# global norm: N ranks x B, and N ranks x K micro-batches of B / K, equal one process x N*B; the
+# checkpoint records the optimizer whose state it holds.
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_invariant_2_with_adamw_decay_and_clipping(fw, runs):
+    single = runs.params(fw, "single/adamw-big")
+    for run_ in ("mpi2/adamw", "mpi2/adamw-acc"):
+        m = runs.metrics(fw, run_)
+        assert m["world_size"] == 2 and m["global_batch_size"] == GLOBAL_BATCH
+        assert len(set(m["param_checksums"])) == 1, "invariant 1: ranks differ"
+        assert_same_params(runs.params(fw, run_), single)
+    assert read_meta(ckpt(runs.out(fw, "mpi2/adamw")))["optimizer"] == "adamw"
+    init = runs.params(fw, "single/inv8-init")  # the same initial weights, not trained (LR 1e-12)
+    assert moved(single, init) > 1e-2, "AdamW must have moved the weights for this to mean anything"

@@ -17,13 +17,24 @@ MB = memory.MB
 
 
 def test_the_formula_counts_weights_gradients_state_and_the_schedules_activations():
-    sgd = memory.needs(1, 100 * MB, "sgd", 0.9, activation_bytes_per_example=4096,
+    sgd = memory.needs(1, 100 * MB, 1, activation_bytes_per_example=4096,
                        rows_per_microbatch=16, held=3)
     assert (sgd.weights, sgd.gradients, sgd.optimizer_state) == (100 * MB, 100 * MB, 100 * MB)
     assert sgd.activations == 3 * 16 * 4096
     assert sgd.total == 300 * MB + 3 * 16 * 4096
-    assert memory.needs(0, MB, "sgd", 0.0, 0, 1, 1).optimizer_state == 0  # plain SGD: no state
-    assert memory.needs(0, MB, "adamw", 0.9, 0, 1, 1).optimizer_state == 2 * MB
+    assert memory.needs(0, MB, 0, 0, 1, 1).optimizer_state == 0  # plain SGD: no state
+    assert memory.needs(0, MB, 2, 0, 1, 1).optimizer_state == 2 * MB  # Adam's two moments
+
+
+@pytest.mark.parametrize("flags,slots", [
+    (["--momentum", "0"], 0), ([], 1), (["--optimizer", "adamw"], 2), (["--optimizer", "adam"], 2),
+    (["--optimizer", "rmsprop"], 1), (["--optimizer", "rmsprop", "--momentum", "0.9"], 2),
+])
+def test_the_optimizers_state_is_counted_in_weights_sizes(flags, slots):
+    from launch import cli
+    from ringtrain import optimizer_spec
+
+    assert optimizer_spec.state_slots(cli.parse("torch", flags)) == slots
 
 
 def test_the_tightest_limit_wins_and_counts_what_the_process_already_uses():
@@ -37,7 +48,7 @@ def test_the_tightest_limit_wins_and_counts_what_the_process_already_uses():
 
 
 def test_a_stage_too_big_for_its_rank_is_one_line_naming_it():
-    stage = memory.needs(2, 600 * MB, "sgd", 0.9, 1000, 8, 2)
+    stage = memory.needs(2, 600 * MB, 1, 1000, 8, 2)
     memory.check_fits(stage, memory.Limit(2000 * MB, 3000 * MB, "RLIMIT_DATA"), 4)  # fits
     memory.check_fits(stage, None, 4)  # no limit known: nothing to say
     with pytest.raises(UserError) as err:
@@ -79,7 +90,7 @@ def test_an_allocation_failure_is_recognised_in_every_framework(err, oom):
 
 
 def test_a_stage_that_runs_out_is_one_line_with_what_it_holds_never_diverged():
-    stage = memory.needs(3, 201 * MB, "sgd", 0.9, 4096 * 4, 8, 5)
+    stage = memory.needs(3, 201 * MB, 1, 4096 * 4, 8, 5)
     line = str(memory.ran_out(3, 8, stage, memory.Limit(0, 1450 * MB, "RLIMIT_DATA"),
                               "a training step"))
     assert "\n" not in line and "diverged" not in line

@@ -127,10 +127,12 @@ def _check_finite(arrays: dict, path: Path) -> None:
             raise checkpoint.not_finite(path, key)
 
 
-def restore(path_dir: str, net: keras.Model, optimizer, identity: RunIdentity) -> int:
-    """Restore rank 0's model/optimizer from the newest intact checkpoint; return its epoch (0 if
-    there is none)."""
-    found = checkpoint.restore_newest(path_dir, EXT, read, identity, expected=expected_member)
+def restore(path_dir: str, net: keras.Model, optimizer, identity: RunIdentity,
+            spec: str | None = None) -> int:
+    """Restore rank 0's model/optimizer from the newest intact checkpoint (given ``spec``, of
+    that ``--optimizer``); return its epoch (0 if there is none)."""
+    found = checkpoint.restore_newest(path_dir, EXT, read, identity, expected=expected_member,
+                                      optimizer=spec)
     if found is None:
         return 0
     epoch, arrays, path = found

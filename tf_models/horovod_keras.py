@@ -168,17 +168,33 @@ def sparse_logits_loss(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     (:mod:`ringtrain.training.divergence`).  Any other label is the class index, and its loss
     the same bits as without the mark (``tf.where`` picks it unchanged)."""
     labels = tf.cast(labels, tf.int64)
+    if logits.dtype == tf.bfloat16:  # --precision bf16 (a user's model): the loss in float32
+        logits = tf.cast(logits, tf.float32)
     loss = keras.losses.sparse_categorical_crossentropy(tf.maximum(labels, 0), logits,
                                                         from_logits=True)
     return tf.where(labels >= 0, loss, tf.constant(float("nan"), loss.dtype))
 
 
+def logits_dtype(model: keras.Model) -> str | None:
+    """``"float64"`` for a model whose logits are float64 (its loss then stays float64), else
+    None (Keras' default, float32: mixed precision's logits are upcast to it).  A subclassed model
+    has no ``outputs``: the default."""
+    try:
+        return "float64" if keras.backend.standardize_dtype(model.outputs[0].dtype) == "float64" \
+            else None
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None
+
+
 class SparseLogitsLoss(keras.losses.SparseCategoricalCrossentropy):
     """``model.fit``'s loss: Keras' sparse cross-entropy from logits, its reduction unchanged,
-    with :func:`sparse_logits_loss`'s mark: a label of -1 gives a NaN loss."""
+    with :func:`sparse_logits_loss`'s mark: a label of -1 gives a NaN loss.  ``dtype``: the
+    logits' when they are float64 (Keras casts the logits to the loss's dtype, float32 unless
+    told: a float64 model's gradients then carried float32's rounding, 1e-9 of a weight after
+    one step where PyTorch's differ by 1e-17)."""
 
-    def __init__(self) -> None:
-        super().__init__(from_logits=True)
+    def __init__(self, dtype: str | None = None) -> None:
+        super().__init__(from_logits=True, dtype=dtype)
 
     def call(self, y_true, y_pred):
         loss = super().call(tf.maximum(y_true, tf.zeros_like(y_true)), y_pred)

@@ -29,6 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from ringtrain import optimizer_spec
 from ringtrain.optimizer_options import distributed_optimizer_options
 from ringtrain.output.progress import Loss
 from ringtrain.strategies.ring import options as ring_options
@@ -36,11 +37,11 @@ from ringtrain.training import startup as startup_checks
 from ringtrain.training.fixed_loop import FixedLoop
 from ringtrain.training.run import FrameworkRun, RunIdentity, StepTag
 from ringtrain.training.world import World
-from tf_models import checkpoints, startup
+from tf_models import checkpoints, optimizers, startup
 from tf_models.collectives import COLLECTIVES, VERSIONS, average_statistics
 from tf_models.evaluation import WeightsTotal, make_batch_sums, make_weights_finite, parameters
 from tf_models.fit_callback import FixedLoopCallback
-from tf_models.horovod_keras import DistributedModel, SparseLogitsLoss, loss_sums
+from tf_models.horovod_keras import DistributedModel, SparseLogitsLoss, logits_dtype, loss_sums
 from tf_models.model import build
 
 
@@ -61,8 +62,8 @@ class KerasModelRun(FrameworkRun):
         self.world, self.data, self.tools = rank.world, rank.data, rank.tools
         # Different seeds per rank on purpose: the broadcast, not luck, makes ranks agree.
         keras.utils.set_random_seed(args.seed + self.world.rank)
-        self.net = build(args.model, self.data.info, args.dropout,
-                         "mixed_float16" if args.amp else None)  # checked on every rank
+        with optimizers.policy(args) as dtype_policy:  # --amp, --precision bf16, else None
+            self.net = build(args.model, self.data.info, args.dropout, dtype_policy)  # checked
         self.identity = RunIdentity.of(args, "tf", VERSIONS, self.data.info, self.net.count_params())
         if not elastic or self.world.rank == 0:
             startup_checks.check_output_folders(None if elastic else self.world, args,
@@ -96,7 +97,8 @@ class KerasModelRun(FrameworkRun):
                          self.args)
 
     def restore(self) -> int:
-        return checkpoints.restore(self.args.checkpoint_dir, self.net, self.optimizer, self.identity)
+        return checkpoints.restore(self.args.checkpoint_dir, self.net, self.optimizer, self.identity,
+                                   self.args.optimizer)
 
     def parameters(self) -> list[np.ndarray]:
         return parameters(self.net)
@@ -113,7 +115,8 @@ class KerasRun(KerasModelRun):
         k = args.backward_passes_per_step
         # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
         lr = self.target_lr if not elastic else args.base_lr  # elastic: set per step, per world
-        optimizer = keras.optimizers.SGD(learning_rate=lr, momentum=args.momentum)
+        # --optimizer, checked; Horovod's wrapper counts K micro-batch steps per optimizer step
+        optimizer = optimizers.build(args, lr, micro_steps=1 if elastic else k)
         if elastic:
             self.optimizer = optimizer
             optimizer.build(self.net.trainable_variables)
@@ -127,10 +130,11 @@ class KerasRun(KerasModelRun):
             return
         if args.amp:  # wrapped inside: the loss-scale skip is decided on allreduced gradients
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        inner = optimizer
         # Horovod: wrap the optimizer: gradients are averaged over all ranks (allreduce) every
         # K-th micro-batch step, after summing the K locally.
-        optimizer = hvd_keras.DistributedOptimizer(optimizer, **distributed_optimizer_options(args, hvd))
-        self.optimizer = optimizer
+        self.optimizer = optimizer = optimizers.wrap(args.optimizer, lambda: hvd_keras.DistributedOptimizer(
+            inner, **distributed_optimizer_options(args, hvd)))
         optimizer.build(self.net.trainable_variables)  # slots exist: checkpoints, broadcast
         self.start_epoch = startup_checks.resume_epoch(self.world, args, self.restore)
         if self.start_epoch >= args.epochs:  # resumed at the end: no fit, so no fit broadcast
@@ -141,9 +145,16 @@ class KerasRun(KerasModelRun):
         # the PyTorch trainer (loss / K) and for every op: Horovod's own
         # average_aggregated_gradients refuses Adasum.  XLA off: this Horovod build has no XLA
         # kernels (Keras turns it on on GPUs).
-        self.net.compile(optimizer=optimizer, loss=SparseLogitsLoss(), loss_weights=1.0 / k,
+        self.net.compile(optimizer=optimizer, loss=SparseLogitsLoss(logits_dtype(self.net)),
+                         loss_weights=1.0 / k,
                          metrics=[self.sums, weights_total], jit_compile=False)
         self.weights_finite = weights_total.finite  # the train step's own sum: no second pass
+
+    def describe(self) -> list[str]:
+        """Under the banner: the update, when it is not the default SGD's."""
+        cpu = not tf.config.list_logical_devices("GPU")
+        line = optimizer_spec.describe(self.args, optimizer_spec.cpu_has_bf16() if cpu else None)
+        return [line] if line else []
 
     def new_world(self) -> World:
         """After an elastic re-form: this rank's new :class:`World`, and the train step traced

@@ -80,10 +80,11 @@ def _check_state(state: dict, path: Path) -> None:
             raise checkpoint.not_finite(path, name)
 
 
-def restore(path_dir: str, model, optimizer, identity: RunIdentity) -> int:
+def restore(path_dir: str, model, optimizer, identity: RunIdentity, spec: str | None = None) -> int:
     """Restore rank 0's model/optimizer from the newest intact checkpoint of a run on the same
-    data; return its epoch (0 if there is none)."""
-    found = checkpoint.restore_newest(path_dir, EXT, read, identity, expected=expected_member)
+    data (and, given ``spec``, of that ``--optimizer``); return its epoch (0 if there is none)."""
+    found = checkpoint.restore_newest(path_dir, EXT, read, identity, expected=expected_member,
+                                      optimizer=spec)
     if found is None:
         return 0
     epoch, state, path = found

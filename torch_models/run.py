@@ -18,23 +18,25 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ringtrain import optimizer_spec
 from ringtrain.optimizer_options import distributed_optimizer_options
 from ringtrain.output.progress import Loss
 from ringtrain.strategies.ring import options as ring_options
 from ringtrain.training import startup as startup_checks
 from ringtrain.training.run import FrameworkRun, RunIdentity, StepTag
 from ringtrain.training.world import World
-from torch_models import checkpoints, startup
+from torch_models import checkpoints, optimizers, startup
 from torch_models.collectives import COLLECTIVES, VERSIONS, average_buffers
 from torch_models.evaluation import FiniteWatch, parameters
 from torch_models.model import build
 
 
 def fused_sgd(model: torch.nn.Module, device: torch.device) -> bool:
-    """SGD's fused kernel (one launch per step) where it applies: a GPU, floating-point weights
-    and no sparse gradients.  PyTorch's default there, the foreach path, launches several kernels
-    and costs more Python per step, and the CNN's GPU step is bound by the CPU that issues it
-    (docs/gpu.md).  On a CPU the default stays: the CPU tests compare numbers to the last digit."""
+    """SGD's (and Adam's, AdamW's) fused kernel (one launch per step) where it applies: a GPU,
+    floating-point weights and no sparse gradients.  PyTorch's default there, the foreach path,
+    launches several kernels and costs more Python per step, and the CNN's GPU step is bound by
+    the CPU that issues it (docs/gpu.md).  On a CPU the default stays: the CPU tests compare
+    numbers to the last digit."""
     if device.type != "cuda":
         return False
     sparse = any(getattr(m, "sparse", False) is True for m in model.modules())
@@ -114,9 +116,10 @@ class TorchModelRun(FrameworkRun):
 
     def restore(self) -> int:
         epoch = checkpoints.restore(self.args.checkpoint_dir, self.model, self.optimizer,
-                                    self.identity)
+                                    self.identity, self.args.optimizer)
         for group in self.optimizer.param_groups:  # the checkpoint's groups say where it was written
-            group["fused"] = self.fused
+            if "fused" in group:  # (an optimizer without a fused kernel has no such option)
+                group["fused"] = self.fused
         return epoch
 
     def parameters(self) -> list[np.ndarray]:
@@ -135,13 +138,14 @@ class TorchRun(TorchModelRun):
         # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
         lr = self.target_lr if not elastic else args.base_lr  # elastic: set per step, per world
         self.fused = fused_sgd(self.model, self.device) or None
-        optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=args.momentum,
-                                    fused=self.fused)
+        optimizer = optimizers.build(args, self.model, lr, self.fused)  # --optimizer, checked
         # Horovod: wrap the optimizer: step() averages the gradients over all ranks (ring allreduce).
-        self.optimizer = hvd.DistributedOptimizer(optimizer,
-                                                  named_parameters=self.model.named_parameters(),
-                                                  **distributed_optimizer_options(args, hvd))
+        self.optimizer = optimizers.wrap(args.optimizer, lambda: hvd.DistributedOptimizer(
+            optimizer, named_parameters=self.model.named_parameters(),
+            **distributed_optimizer_options(args, hvd)))
         keep_fused_amp_step(self.optimizer)
+        if not optimizer_spec.plain_sgd(args):  # its state, before the broadcast would step for it
+            optimizers.make_state(self.optimizer, args.optimizer in optimizer_spec.BUILTIN)
         # Resume into the wrapped optimizer: DistributedOptimizer builds a new optimizer from the
         # param groups alone, so state loaded before wrapping (the momentum buffers) would be lost.
         if elastic:  # the first sync hands rank 0's restored state to all
@@ -152,6 +156,17 @@ class TorchRun(TorchModelRun):
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
             hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
         self.scaler = torch.amp.GradScaler("cuda") if args.amp else None
+        self.clip, self.bf16 = args.clip_grad_norm, args.precision == "bf16"
+        # (autocast's context, even disabled, costs 12 us of Python a step: only when asked for)
+        self.autocast = (lambda: torch.autocast("cuda")) if args.amp else (
+            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if self.bf16
+            else contextlib.nullcontext)
+
+    def describe(self) -> list[str]:
+        """Under the banner: the update, when it is not the default SGD's."""
+        line = optimizer_spec.describe(
+            self.args, optimizer_spec.cpu_has_bf16() if self.device.type == "cpu" else None)
+        return [line] if line else []
 
     def new_world(self) -> World:
         """After an elastic re-form: this rank's new :class:`World`."""
@@ -171,9 +186,10 @@ class TorchRun(TorchModelRun):
         for micro in range(k):
             x, y = (x_all, y_all) if k == 1 else (x_all[micro * self.micro:][:self.micro],
                                                   y_all[micro * self.micro:][:self.micro])
-            # (autocast's context, even disabled, costs 12 us of Python a step: only with --amp)
-            with torch.autocast("cuda") if scaler is not None else contextlib.nullcontext():
-                loss = F.cross_entropy(model(x), y)
+            with self.autocast():  # --amp: float16; --precision bf16: bfloat16; else nothing
+                logits = model(x)
+                # bfloat16 logits, 8 bits of mantissa, would round the loss: it is float32's
+                loss = F.cross_entropy(logits.float() if self.bf16 else logits, y)
             # Sums stay on the device: reading a GPU value every step would stall the GPU.  One
             # kernel per batch: on a GPU the small CNN's step is bound by kernel launches.
             value = loss.detach()
@@ -184,13 +200,21 @@ class TorchRun(TorchModelRun):
                 scaler.scale(scaled).backward()
             else:
                 scaled.backward()
-        if scaler is not None:
-            # Horovod's AMP recipe: allreduce first, then unscale, then step without a 2nd sync.
+        if scaler is not None or self.clip is not None:
+            # Horovod's recipe for work on the averaged gradients (its AMP example): allreduce
+            # first, then unscale (--amp) and clip the global norm, then step without a 2nd sync.
             optimizer.synchronize()
-            scaler.unscale_(optimizer)
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            if self.clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
             with optimizer.skip_synchronize():
-                scaler.step(optimizer)
-            scaler.update()
+                if scaler is not None:
+                    scaler.step(optimizer)
+                else:
+                    optimizer.step()
+            if scaler is not None:
+                scaler.update()
         else:
             optimizer.step()
         n = len(y_all)

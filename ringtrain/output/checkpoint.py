@@ -49,9 +49,10 @@ _STAGE_NAME = re.compile(r"^ckpt-epoch(\d{4,})-stage(\d+)of(\d+)\.(\w+)$")
 Stage = tuple[int, int]  # (stage, stages) of a pipeline's checkpoint file; None: the whole model
 
 
-def estimated_bytes(param_count: int, momentum: float) -> int:
-    """About one checkpoint's size: float32 weights, and as many momentum slots with momentum."""
-    return param_count * 4 * (2 if momentum else 1)
+def estimated_bytes(param_count: int, state_slots: int) -> int:
+    """About one checkpoint's size: float32 weights and ``state_slots`` tensors of optimizer state
+    per weight (:func:`ringtrain.optimizer_spec.state_slots`)."""
+    return param_count * 4 * (1 + state_slots)
 
 
 def check_resume_folder(directory: str | os.PathLike) -> None:
@@ -223,15 +224,16 @@ def load(path: Path, read: Callable[[BinaryIO, Path], tuple[Any, Any]], limit: i
 def restore_newest(directory: str | os.PathLike, ext: str,
                    read: Callable[[BinaryIO, Path], tuple[Any, Any]], identity: Identity, *,
                    expected: Callable[[str], bool] = lambda name: True,
-                   stage: Stage | None = None, at_most: int | None = None
-                   ) -> tuple[int, Any, Path] | None:
+                   stage: Stage | None = None, at_most: int | None = None,
+                   optimizer: str | None = None) -> tuple[int, Any, Path] | None:
     """``(epoch, payload, path)`` of the newest usable checkpoint (of pipeline ``stage``; of epoch
     ``at_most`` or before), or None when the folder has none.
 
     ``read(file, path)`` returns ``(metadata, payload)``; it raises :class:`Damaged` for an
     incomplete file, which is skipped with one warning line for the previous one, and
     :class:`UserError` for one that must stop the run (unsafe, another model, a newer format,
-    another stage count).  ``expected`` says which archive members the framework writes.
+    another stage count, another ``optimizer``: this run's ``--optimizer``, when given).
+    ``expected`` says which archive members the framework writes.
     """
     check_stage_count(directory, ext, stage[1] if stage else 1)
     damaged: list[tuple[Path, Damaged]] = []
@@ -245,7 +247,7 @@ def restore_newest(directory: str | os.PathLike, ext: str,
             damaged.append((path, err))
             continue
         epoch = check_metadata(meta, path, identity.framework, identity.model_name,
-                               identity.param_count, identity.data.record())
+                               identity.param_count, identity.data.record(), optimizer)
         if stage is not None:
             check_stage(meta, path, stage)
         if damaged:
@@ -333,16 +335,20 @@ def metadata(identity: Identity, epoch: int, config: dict[str, Any],
              stage: dict[str, Any] | None = None) -> dict[str, Any]:
     """Plain types only (``torch.load(weights_only=True)`` reads nothing else): the run's
     identity (framework, model, size, its data's :meth:`~ringtrain.data.dataset.DataInfo.record`),
-    the epoch and the flags; a pipeline stage's file adds ``pipeline``: its stage, the stage
-    count, its layers and parameter count."""
+    the optimizer whose state it holds (``--optimizer`` as given), the epoch and the flags; a
+    pipeline stage's file adds ``pipeline``: its stage, the stage count, its layers and
+    parameter count."""
     meta = {"format_version": FORMAT_VERSION, "framework": identity.framework,
             "model": identity.model_name, "param_count": identity.param_count, "epoch": epoch,
-            "config": config, "data": identity.data.record()}
+            "config": config, "data": identity.data.record(),
+            "optimizer": config.get("optimizer") or DEFAULT_OPTIMIZER}
     if stage is not None:
         meta["pipeline"] = stage
     return meta
 
 
+# What checkpoints written before --optimizer existed hold the state of.
+DEFAULT_OPTIMIZER = "sgd"
 # What checkpoints written before --data existed were trained on.
 _MNIST_RECORD = {"spec": "mnist", "input_shape": [28, 28, 1], "num_classes": 10,
                  "classes": [str(i) for i in range(10)], "normalization": None}
@@ -423,15 +429,18 @@ def _malformed(meta: dict[str, Any]) -> str | None:
         return "config is not a mapping of flags"
     if isinstance(config, dict) and not isinstance(config.get("model", "cnn"), str):
         return "config.model is not text"
+    if not isinstance(meta.get("optimizer", DEFAULT_OPTIMIZER), str):
+        return "optimizer is not text"
     if "weight_keys" in meta and not _is_list(meta["weight_keys"], lambda v: isinstance(v, str)):
         return "weight_keys is not a list of names"
     return _data_malformed(meta.get("data"))
 
 
 def check_metadata(meta: Any, path: Path, framework: str, model: str, param_count: int,
-                   data: dict[str, Any] | None = None) -> int:
+                   data: dict[str, Any] | None = None, optimizer: str | None = None) -> int:
     """Return the checkpoint's epoch, or raise one clear line on any mismatch (the data before
-    the model: another class count changes the model's size too, and the data is the cause)."""
+    the model: another class count changes the model's size too, and the data is the cause; the
+    optimizer, ``--optimizer`` as given, last: its state is shaped by the model)."""
     if not isinstance(meta, dict) or "format_version" not in meta:
         raise UserError(f"{path} is not a ringtrain checkpoint; remove it or pick another folder")
     version = meta["format_version"]
@@ -460,4 +469,10 @@ def check_metadata(meta: Any, path: Path, framework: str, model: str, param_coun
                 fix = f"--model {printable(config.get('model', 'cnn'), 80)}"
             raise UserError(f"{path} belongs to {key} {printable(repr(meta[key]), 80)}, not "
                             f"{want!r}; resume with {fix} or use another --checkpoint-dir")
+    saved = meta.get("optimizer", DEFAULT_OPTIMIZER)
+    if optimizer is not None and saved != optimizer:
+        saved = printable(saved, 80)
+        raise UserError(f"{path} holds the state of --optimizer {saved}, this run has --optimizer "
+                        f"{optimizer}; resume with --optimizer {saved}, or use another "
+                        f"--checkpoint-dir to start {optimizer} afresh")
     return meta["epoch"]

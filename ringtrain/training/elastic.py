@@ -97,6 +97,9 @@ def run_epochs(state, run: FrameworkRun, progress: Progress) -> tuple[float, flo
     k, batch = args.backward_passes_per_step, args.batch_size
     watchdog.new_world(world.rank, world.size)  # the job re-formed: progress, with a new rank
     target_lr = scaled_lr(args.base_lr, world.size, args.lr_scaling)
+    if not state.resizes:  # the job's first world: what the fixed job's banner adds (the update)
+        for line in run.describe():
+            progress.info(line)
     if not state.resizes or state.resizes[-1]["world_size"] != world.size:
         state.resizes.append({"epoch": state.epoch, "consumed": state.consumed,
                               "world_size": world.size, "target_lr": target_lr})

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-from ringtrain import horovod_tools
+from ringtrain import horovod_tools, optimizer_spec
 from ringtrain.data import dataset as datasets
 from ringtrain.data import decoded_cache
 from ringtrain.data.dataset import ArrayData, FolderData
@@ -50,7 +50,7 @@ def check_output_folders(world: World | None, args: argparse.Namespace, param_co
             if args.resume:
                 checkpoint.check_resume_folder(args.checkpoint_dir)
             files.ensure_writable(args.checkpoint_dir, need_bytes=checkpoint.estimated_bytes(
-                param_count, args.momentum))
+                param_count, optimizer_spec.state_slots(args)))
         if args.tensorboard:
             files.ensure_writable(args.tensorboard, "--tensorboard")
         for flag, path in horovod_tools.output_files(args):  # --timeline-out, --autotune's log

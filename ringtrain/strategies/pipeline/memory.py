@@ -23,11 +23,6 @@ from ringtrain.errors import UserError
 
 MB = 1 << 20
 
-# Optimizer state per weight, in weights' sizes (the optimizers' own docs: SGD's momentum buffer,
-# Adam-type first and second moments; RMSprop's square average).
-STATE_PER_WEIGHT = {"sgd": 1, "sgd-plain": 0, "adam": 2, "adamw": 2, "rmsprop": 1}
-
-
 @dataclass(frozen=True)
 class StageNeeds:
     """The bytes a stage will hold, by the per-rank formula."""
@@ -48,13 +43,13 @@ class StageNeeds:
                 f"{self.activations / MB:,.0f} MB")
 
 
-def needs(stage: int, weight_bytes: int, optimizer: str, momentum: float,
-          activation_bytes_per_example: int, rows_per_microbatch: int, held: int) -> StageNeeds:
-    """The formula for one stage: ``held`` micro-batches of ``rows_per_microbatch`` rows, each
-    keeping ``activation_bytes_per_example`` bytes of the stage's layer outputs per row."""
-    kind = "sgd-plain" if optimizer == "sgd" and not momentum else optimizer
-    per_weight = STATE_PER_WEIGHT.get(kind, 2)  # a user's optimizer: assume Adam's two moments
-    return StageNeeds(stage, weight_bytes, weight_bytes, per_weight * weight_bytes,
+def needs(stage: int, weight_bytes: int, state_slots: int, activation_bytes_per_example: int,
+          rows_per_microbatch: int, held: int) -> StageNeeds:
+    """The formula for one stage: ``state_slots`` tensors of optimizer state per weight
+    (:func:`ringtrain.optimizer_spec.state_slots`), ``held`` micro-batches of
+    ``rows_per_microbatch`` rows, each keeping ``activation_bytes_per_example`` bytes of the
+    stage's layer outputs per row."""
+    return StageNeeds(stage, weight_bytes, weight_bytes, state_slots * weight_bytes,
                       held * rows_per_microbatch * activation_bytes_per_example)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ringtrain import optimizer_spec
 from ringtrain.errors import UserError
 
 NAME = "ps"
@@ -52,6 +53,7 @@ def check_unused(args: argparse.Namespace) -> None:
 
 def validate(args: argparse.Namespace) -> None:
     staleness(args)
+    optimizer_spec.ring_only(args, "--strategy ps")  # for now: the servers' SGD in float32 alone
     if ps_servers(args) < 1:
         raise UserError(f"--ps-servers must be at least 1, got {args.ps_servers}")
     refused = [

@@ -1,0 +1,539 @@
+"""``--optimizer``, ``--weight-decay``, ``--clip-grad-norm``, ``--precision`` (docs/training.md,
+"Choosing an optimizer"): the flags' checks, each built-in optimizer against PyTorch's update
+rule written out in NumPy (PyTorch in this process, Keras in a subprocess: TensorFlow is not
+imported here, and both frameworks in one process crash), the optimizer state Horovod's
+broadcast and elastic state keep, the clipping of averaged gradients, the checkpoint's record
+of the optimizer, and a user's factory.  "N ranks equal one process with N times the batch"
+with AdamW, weight decay and clipping is
+``tests/test_correctness.py::test_invariant_2_with_adamw_decay_and_clipping``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import one_error_line, requires_horovod, run
+
+from launch.cli import build_parser
+from ringtrain import optimizer_spec
+from ringtrain.errors import UserError
+from ringtrain.output import checkpoint
+from ringtrain.strategies import registry
+
+# --- the flags, before any framework -------------------------------------------------------------
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return registry.validate(build_parser("torch").parse_args(list(argv)))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--optimizer", "lamb"], "--optimizer must be sgd, adamw, adam, rmsprop or package.module:function"),
+    (["--optimizer", "my pkg:fn"], "got 'my pkg:fn'"),
+    (["--weight-decay", "-0.01"], "--weight-decay must be a number >= 0, got -0.01"),
+    (["--weight-decay", "nan"], "--weight-decay must be a number >= 0"),
+    (["--clip-grad-norm", "0"], "--clip-grad-norm must be a positive number"),
+    (["--clip-grad-norm", "-1"], "--clip-grad-norm must be a positive number"),
+    (["--precision", "bf16", "--amp"], "--precision bf16 and --amp"),
+    (["--optimizer", "adamw", "--momentum", "0.9"], "--momentum is a hyperparameter of sgd and rmsprop"),
+    (["--momentum", "1.5"], "--momentum must be in [0, 1)"),
+    (["--optimizer", "mypkg.opt:make", "--weight-decay", "0.1"], "your factory sets its own"),
+    (["--strategy", "ps", "--optimizer", "adamw"], "--optimizer adamw works on the ring only for now"),
+    (["--strategy", "ps", "--clip-grad-norm", "1"], "--clip-grad-norm 1 works on the ring only"),
+    (["--pipeline-stages", "2", "--precision", "bf16"], "--precision bf16 works on the ring only"),
+    (["--pipeline-stages", "2", "--weight-decay", "0.1"], "--weight-decay 0.1 works on the ring only"),
+])
+def test_bad_optimizer_flags_are_one_line_before_any_framework(argv, needle):
+    with pytest.raises(UserError, match=None) as err:
+        parse(*argv)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_momentum_defaults_follow_the_optimizer_and_the_default_is_todays_sgd():
+    default = parse()
+    assert (default.optimizer, default.momentum, default.weight_decay, default.clip_grad_norm,
+            default.precision) == ("sgd", 0.9, 0.0, None, "fp32")
+    assert optimizer_spec.plain_sgd(default) and optimizer_spec.describe(default) is None
+    assert parse("--optimizer", "rmsprop").momentum == 0.0
+    assert parse("--optimizer", "adamw").momentum is None
+    assert registry.validate(parse("--optimizer", "rmsprop", "--momentum", "0.5")).momentum == 0.5
+    line = optimizer_spec.describe(parse("--optimizer", "adamw", "--weight-decay", "0.01",
+                                         "--clip-grad-norm", "1", "--precision", "bf16"), False)
+    assert line.startswith("optimizer adamw, weight decay 0.01 (decoupled), gradients clipped to "
+                           "global norm 1 after averaging, bfloat16 compute")
+    assert "no bfloat16 instructions" in line
+    assert "(L2)" in optimizer_spec.describe(parse("--weight-decay", "0.01"))
+    # the strategies that refuse the flags still take their defaults
+    assert parse("--strategy", "ps").strategy == "ps"
+    assert parse("--pipeline-stages", "2", "--momentum", "0.5").strategy == "pipeline"
+
+
+def test_the_cpu_flags_say_whether_bfloat16_is_native():
+    assert optimizer_spec.cpu_has_bf16("flags\t\t: fpu sse2 avx512f avx512_bf16\n") is True
+    assert optimizer_spec.cpu_has_bf16("flags\t\t: fpu sse2 avx2 avx512f\n") is False
+    assert optimizer_spec.cpu_has_bf16("Features\t: fp asimd bf16 i8mm\n") is True
+
+
+def test_a_checkpoint_records_its_optimizer_and_resume_with_another_is_one_line(tmp_path):
+    class Data:
+        def record(self):
+            return {"spec": "mnist", "input_shape": [28, 28, 1], "num_classes": 10}
+
+    identity = argparse.Namespace(framework="torch", model_name="m", param_count=3, data=Data())
+    meta = checkpoint.metadata(identity, 1, checkpoint.config_of(parse("--optimizer", "adamw")))
+    assert meta["optimizer"] == "adamw"
+    path = tmp_path / "ckpt-epoch0001.pt"
+    assert checkpoint.check_metadata(meta, path, "torch", "m", 3, None, "adamw") == 1
+    with pytest.raises(UserError) as err:
+        checkpoint.check_metadata(meta, path, "torch", "m", 3, None, "sgd")
+    assert str(err.value) == (f"{path} holds the state of --optimizer adamw, this run has "
+                              f"--optimizer sgd; resume with --optimizer adamw, or use another "
+                              f"--checkpoint-dir to start sgd afresh")
+    older = {k: v for k, v in meta.items() if k != "optimizer"}  # before --optimizer: SGD's state
+    assert checkpoint.check_metadata(older, path, "torch", "m", 3, None, "sgd") == 1
+    with pytest.raises(UserError, match="holds the state of --optimizer sgd"):
+        checkpoint.check_metadata(older, path, "torch", "m", 3, None, "adam")
+
+
+# --- the update rules: PyTorch's, in NumPy ---------------------------------------------------------
+
+CASES = [("sgd", 0.1, 0.9, 1.0), ("adamw", 0.1, None, 1.0), ("adam", 0.1, None, None),
+         ("rmsprop", 0.1, 0.5, 2.0), ("sgd", 0.1, 0.0, None)]
+W0 = np.array([0.3, -1.2, 2.0, 0.7, -0.4], np.float32)
+TARGET = np.array([-0.5, 0.8, -1.0, 1.5, 0.2], np.float32)
+LR, STEPS = 0.05, 5
+
+
+def gradient(w: np.ndarray) -> np.ndarray:
+    return 3.0 * (w - TARGET)  # of 1.5 |w - t|^2: norm ~10, so the clips above bite
+
+
+def reference(name: str, wd: float, momentum: float | None, clip: float | None) -> np.ndarray:
+    """PyTorch's update of ``name`` (SGD, AdamW, Adam, RMSprop: their docs' pseudo-code), in
+    float64, with ``clip_grad_norm_`` before it."""
+    w, b1, b2, eps = W0.astype(np.float64), *optimizer_spec.BETAS, optimizer_spec.EPS
+    buf = m = v = None
+    for t in range(1, STEPS + 1):
+        g = gradient(w)
+        if clip is not None:
+            g = g * min(1.0, clip / (np.linalg.norm(g) + 1e-6))
+        if name == "adamw":
+            w = w * (1 - LR * wd)
+        else:
+            g = g + wd * w
+        if name == "sgd":
+            buf = g if buf is None else momentum * buf + g
+            w = w - LR * buf
+        elif name in ("adam", "adamw"):
+            m = (1 - b1) * g if m is None else b1 * m + (1 - b1) * g
+            v = (1 - b2) * g * g if v is None else b2 * v + (1 - b2) * g * g
+            w = w - LR / (1 - b1 ** t) * m / (np.sqrt(v) / np.sqrt(1 - b2 ** t) + eps)
+        else:
+            a = optimizer_spec.RMSPROP_ALPHA
+            v = (1 - a) * g * g if v is None else a * v + (1 - a) * g * g
+            step = g / (np.sqrt(v) + eps)
+            buf = step if buf is None else momentum * buf + step
+            w = w - LR * (buf if momentum else step)
+    return w
+
+
+def flags(name: str, wd: float, momentum: float | None, clip: float | None) -> argparse.Namespace:
+    return argparse.Namespace(optimizer=name, weight_decay=wd, momentum=momentum,
+                              clip_grad_norm=clip, precision="fp32", amp=False)
+
+
+@pytest.mark.parametrize("name,wd,momentum,clip", CASES)
+def test_torch_optimizers_are_pytorchs_rules_and_their_made_state_is_invisible(name, wd, momentum, clip):
+    """Each built-in is the written-out rule; its state made before the first step
+    (:func:`torch_models.optimizers.make_state`, what keeps Horovod's broadcast from stepping)
+    changes no bit of what follows."""
+    import torch
+
+    from torch_models import optimizers
+
+    def train(made: bool) -> torch.Tensor:
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.tensor(W0))
+        opt = optimizers.build(flags(name, wd, momentum, clip), model, LR, None)
+        if made:
+            optimizers.make_state(opt, builtin=True)
+            assert torch.equal(model.w.detach(), torch.tensor(W0)) and model.w.grad is None
+            assert opt.state  # a state to broadcast: Horovod's broadcast makes none by a step
+        for _ in range(STEPS):
+            opt.zero_grad()
+            (1.5 * ((model.w - torch.tensor(TARGET)) ** 2).sum()).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+        return model.w.detach()
+
+    made = train(True)
+    assert torch.equal(made, train(False))
+    np.testing.assert_allclose(made.numpy(), reference(name, wd, momentum, clip), rtol=2e-5, atol=1e-6)
+
+
+KERAS_RULES = textwrap.dedent("""
+    import argparse, json, sys
+    import numpy as np
+    import tensorflow as tf
+    import keras
+    from tf_models import optimizers
+
+    cfg = json.loads(sys.argv[1])
+    out = []
+    for name, wd, momentum, clip in cfg["cases"]:
+        args = argparse.Namespace(optimizer=name, weight_decay=wd, momentum=momentum,
+                                  clip_grad_norm=clip, precision="fp32", amp=False)
+        opt = optimizers.build(args, cfg["lr"], micro_steps=1)
+        w = keras.Variable(np.array(cfg["w0"], "float32"))
+        opt.build([w])
+        for _ in range(cfg["steps"]):
+            opt.apply([tf.constant(3.0 * (w.numpy() - np.array(cfg["target"], "float32")))], [w])
+        out.append(w.numpy().tolist())
+    print(json.dumps(out))
+""")
+
+
+def test_keras_optimizers_are_pytorchs_rules():
+    """The same rules in Keras: decay coupled (L2) for sgd, adam and rmsprop as in PyTorch, not
+    Keras' decoupled ``weight_decay``; the same betas, epsilon and RMSprop alpha."""
+    cfg = {"cases": CASES, "lr": LR, "steps": STEPS, "w0": W0.tolist(), "target": TARGET.tolist()}
+    proc = run([sys.executable, "-c", KERAS_RULES, json.dumps(cfg)], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for case, weights in zip(CASES, got, strict=True):
+        # Keras adds Adam's epsilon to sqrt(v) before the bias correction, PyTorch after it (up
+        # to 1 / sqrt(1 - beta_2) ~ 32 times more weight in the first steps), and RMSprop's
+        # inside the square root: a few 1e-6 here, where a wrong rule moves weights by 1e-3
+        np.testing.assert_allclose(weights, reference(*case), rtol=2e-5, atol=5e-6,
+                                   err_msg=str(case))
+
+
+# --- with Horovod, one process each ---------------------------------------------------------------
+
+TORCH_HOROVOD = textwrap.dedent("""
+    import argparse, copy, json
+    import torch
+    import horovod.torch as hvd
+    from ringtrain.errors import UserError
+    from torch_models import optimizers
+
+    hvd.init()
+    torch.manual_seed(0)
+    args = argparse.Namespace(optimizer="adamw", weight_decay=0.1, momentum=None,
+                              clip_grad_norm=None, precision="fp32", amp=False)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+    def opened(make: bool):
+        model = torch.nn.Linear(4, 3)
+        model.load_state_dict(start)
+        opt = hvd.DistributedOptimizer(optimizers.build(args, model, 0.01, None),
+                                       named_parameters=model.named_parameters())
+        if make:
+            optimizers.make_state(opt, builtin=True)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        return model, opt
+
+    def step(model, opt):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    start = copy.deepcopy(torch.nn.Linear(4, 3).state_dict())
+    plain = torch.nn.Linear(4, 3)
+    plain.load_state_dict(start)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01, weight_decay=0.1, eps=1e-8)
+    made, made_opt = opened(True)
+    horovods, horovods_opt = opened(False)
+    out = {"weights_kept": all(torch.equal(a, b) for a, b in zip(made.state_dict().values(),
+                                                                 start.values()))}
+    for _ in range(3):
+        for m, o in ((plain, plain_opt), (made, made_opt), (horovods, horovods_opt)):
+            step(m, o)
+    same = lambda a, b: all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    out["made_equals_plain"] = same(made, plain)
+    out["broadcast_alone_equals_plain"] = same(horovods, plain)
+
+    # Horovod's elastic state keeps AdamW's state: a rollback brings back the commit's moments
+    state = hvd.elastic.TorchState(made, made_opt, epoch=1)
+    state.save()
+    saved = copy.deepcopy(made_opt.state_dict()["state"])
+    step(made, made_opt)
+    moved = made_opt.state_dict()["state"]
+    state.restore()
+    state.sync()
+    back = made_opt.state_dict()["state"]
+    keys = ("step", "exp_avg", "exp_avg_sq")
+    out["steps_moved_the_state"] = not torch.equal(moved[0]["exp_avg"], saved[0]["exp_avg"])
+    out["rollback_restores_the_state"] = all(torch.equal(back[i][k], saved[i][k])
+                                             for i in saved for k in keys)
+
+    class NeedsMore(torch.optim.SGD):
+        def __init__(self, params, lr, extra):
+            super().__init__(params, lr=lr)
+
+    model = torch.nn.Linear(4, 3)
+    try:
+        optimizers.wrap("mypkg.opt:make", lambda: hvd.DistributedOptimizer(
+            NeedsMore(model.parameters(), 0.1, 1), named_parameters=model.named_parameters()))
+    except UserError as err:
+        out["wrap_failure"] = str(err)
+    print(json.dumps(out))
+""")
+
+
+def test_torch_optimizer_state_survives_horovods_broadcast_and_an_elastic_rollback():
+    """Horovod's ``broadcast_optimizer_state`` makes an empty state by a step of zero gradients
+    at the LR: AdamW's weights shrink and its step count starts at 1 (the control below shows
+    it).  With the state made first, a wrapped, broadcast AdamW trains exactly as a plain one;
+    ``TorchState`` commits and rolls back its moments and step; a class Horovod cannot rebuild
+    is one line."""
+    proc = run([sys.executable, "-c", TORCH_HOROVOD], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["weights_kept"] and out["made_equals_plain"]
+    assert not out["broadcast_alone_equals_plain"], "the control: Horovod's own way differs"
+    assert out["steps_moved_the_state"] and out["rollback_restores_the_state"]
+    assert out["wrap_failure"].startswith("--optimizer mypkg.opt:make: Horovod's DistributedOptimizer "
+                                          "rebuilds the optimizer as its class called with the param "
+                                          "groups alone, which failed: TypeError")
+
+
+KERAS_HOROVOD = textwrap.dedent("""
+    import argparse, json
+    import numpy as np
+    import tensorflow as tf
+    import keras
+    import horovod.tensorflow as hvd
+    import horovod.tensorflow.keras as hvd_keras
+    from tf_models import optimizers
+    from tf_models.horovod_keras import ElasticKerasState
+
+    hvd.init()
+    out = {}
+
+    def flags(name, clip=None, wd=0.0, momentum=None):
+        return argparse.Namespace(optimizer=name, weight_decay=wd, momentum=momentum,
+                                  clip_grad_norm=clip, precision="fp32", amp=False)
+
+    # the clip sees the averaged gradients: the allreduce stands in for a sum over 10 ranks
+    dist = hvd_keras.DistributedOptimizer(optimizers.build(flags("sgd", 1.0, 0.0, 0.0), 1.0, 1))
+    dist._allreduce_grads = lambda grads, variables: [10.0 * g for g in grads]
+    w = keras.Variable(np.zeros(4, "float32"))
+    dist.build([w])
+    dist.apply([tf.constant([3.0, 4.0, 0.0, 0.0])], [w])
+    out["update_norm"] = float(np.linalg.norm(w.numpy()))
+
+    # K = 2 micro-batch steps per optimizer step: Adam's bias correction counts optimizer steps
+    def adam_after(k):
+        opt = hvd_keras.DistributedOptimizer(optimizers.build(flags("adam"), 0.1, k),
+                                             backward_passes_per_step=k)
+        w = keras.Variable(np.ones(3, "float32"))
+        opt.build([w])
+        for _ in range(2 * k):
+            opt.apply([tf.constant([0.5, -1.0, 2.0]) / k], [w])
+        return w.numpy(), int(opt.iterations.numpy()), int(opt._iterations.numpy())
+
+    one, two = adam_after(1), adam_after(2)
+    out["accumulated_equals_one_step"] = bool(np.array_equal(one[0], two[0]))
+    out["iterations"] = [one[1], two[1], two[2]]
+
+    # the elastic state commits and rolls back AdamW's moments and step count
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    opt = optimizers.build(flags("adamw", wd=0.1), 0.01, 1)
+    opt.build(net.trainable_variables)
+
+    def train():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(net(tf.ones((4, 3))) ** 2)
+        opt.apply(tape.gradient(loss, net.trainable_variables), net.trainable_variables)
+
+    train()
+    state = ElasticKerasState(net, opt, epoch=1)
+    state.save()
+    saved = [v.numpy().copy() for v in opt.variables]
+    train()
+    out["steps_moved_the_state"] = any(not np.array_equal(v.numpy(), s)
+                                       for v, s in zip(opt.variables, saved))
+    state.restore()
+    state.sync()
+    out["rollback_restores_the_state"] = all(np.array_equal(v.numpy(), s)
+                                             for v, s in zip(opt.variables, saved))
+    out["slots"] = len(opt.variables)
+
+    # --amp wraps the optimizer in a LossScaleOptimizer, which Horovod rebuilds from its config
+    lso = keras.optimizers.LossScaleOptimizer(optimizers.build(flags("adam", wd=0.5), 0.1, 3))
+    inner = hvd_keras.DistributedOptimizer(lso).inner_optimizer
+    out["loss_scaled"] = [type(inner).__name__, inner.l2, inner.micro_steps]
+    print(json.dumps(out))
+""")
+
+
+def test_keras_clips_averaged_gradients_and_keeps_adams_state():
+    """Keras clips inside ``apply``, and Horovod's Keras 3 ``DistributedOptimizer`` allreduces
+    before it calls the wrapped ``apply``: an allreduce that multiplies by 10 leaves an update of
+    norm 1 (a clip before it would leave 10).  Adam's step count is the optimizer's, not the
+    micro-batches' (K = 2 equals one step of the summed gradient, bit for bit).  The elastic
+    state rolls AdamW's slots back; ``--amp``'s wrapper rebuilds the optimizer with its options."""
+    proc = run([sys.executable, "-c", KERAS_HOROVOD], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["update_norm"] == pytest.approx(1.0, rel=1e-6)
+    assert out["accumulated_equals_one_step"] and out["iterations"] == [2, 2, 4]
+    assert out["steps_moved_the_state"] and out["rollback_restores_the_state"]
+    assert out["slots"] == 2 * 2 + 2  # momentums and velocities of kernel and bias, LR, count
+    assert out["loss_scaled"] == ["RingAdam", 0.5, 3]
+
+
+# --- a user's factory ---------------------------------------------------------------------------
+
+FACTORIES = '''
+import torch
+
+
+def raises(params, lr):
+    raise RuntimeError("no such optimizer here")
+
+
+def number(params, lr):
+    return 3
+
+
+def other_params(params, lr):
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+
+
+def holds_an_object(params, lr):
+    return torch.optim.SGD([{"params": params, "tag": object()}], lr=lr)
+
+
+def lbfgs(params, lr):
+    return torch.optim.LBFGS(params, lr=lr)
+
+
+def adam(params, lr=0.5, betas=(0.8, 0.9)):
+    return torch.optim.Adam(params, lr=lr, betas=betas)
+'''
+
+
+@pytest.mark.parametrize("factory,needle", [
+    ("raises", "calling it as raises(lr=0.01) failed: RuntimeError: no such optimizer here"),
+    ("number", "returned a builtins.int, but --framework torch needs a torch.optim.Optimizer"),
+    ("other_params", "an optimizer over 1 tensors, the model trains 2"),
+    ("holds_an_object", "its param groups hold tag=object"),
+    ("lbfgs", "returned an LBFGS, whose step needs a closure"),
+    ("gone", "userfactories has no attribute 'gone'"),
+])
+def test_a_torch_factory_that_fails_is_one_line(factory, needle, tmp_path, monkeypatch):
+    import torch
+
+    from torch_models import optimizers
+
+    (tmp_path / "userfactories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(UserError) as err:
+        optimizers.build(flags(f"userfactories:{factory}", 0.0, None, None), model, 0.01, None)
+    assert str(err.value).startswith(f"--optimizer userfactories:{factory}")
+    assert needle in str(err.value)
+
+
+def test_a_torch_factory_gets_the_params_and_the_lr(tmp_path, monkeypatch):
+    import torch
+
+    from torch_models import optimizers
+
+    (tmp_path / "userfactories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = torch.nn.Linear(3, 2)
+    opt = optimizers.build(flags("userfactories:adam", 0.0, None, None), model, 0.01, None)
+    assert isinstance(opt, torch.optim.Adam) and opt.param_groups[0]["lr"] == 0.01
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9)
+
+
+KERAS_FACTORIES = textwrap.dedent('''
+    import keras
+
+
+    def raises(learning_rate):
+        raise RuntimeError("no such optimizer here")
+
+
+    def number(learning_rate):
+        return 3
+
+
+    def scheduled(learning_rate):
+        return keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(learning_rate, 10, 0.9))
+
+
+    def clips(learning_rate):
+        return keras.optimizers.SGD(learning_rate, clipnorm=1.0)
+
+
+    def lion(learning_rate=0.5):
+        return keras.optimizers.Lion(learning_rate)
+''')
+
+KERAS_FACTORY_CHECKS = textwrap.dedent("""
+    import json, sys
+    from ringtrain.errors import UserError
+    from tf_models import optimizers
+
+    out = {}
+    for name in ("raises", "number", "scheduled", "clips"):
+        try:
+            optimizers.from_factory(f"userfactories:{name}", 0.01, 1.0)
+        except UserError as err:
+            out[name] = str(err)
+    good = optimizers.from_factory("userfactories:lion", 0.01, 2.0)
+    out["lion"] = [type(good).__name__, float(good.learning_rate.numpy()), good.global_clipnorm]
+    print(json.dumps(out))
+""")
+
+
+def test_a_keras_factory_is_checked(tmp_path):
+    (tmp_path / "userfactories.py").write_text(KERAS_FACTORIES)
+    proc = run([sys.executable, "-c", KERAS_FACTORY_CHECKS], timeout=180,
+               env={"PYTHONPATH": f"{Path(__file__).resolve().parents[1]}:{tmp_path}"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "calling it as raises(learning_rate=0.01) failed: RuntimeError" in out["raises"]
+    assert "returned a builtins.int, but --framework tf needs a keras.optimizers.Optimizer" in out["number"]
+    assert "learning rate is a schedule or a function" in out["scheduled"]
+    assert "which clips gradients itself" in out["clips"]
+    assert out["lion"] == ["Lion", pytest.approx(0.01), 2.0]
+
+
+# --- through the command, one process ---------------------------------------------------------
+
+FACTORY = {"launch.torch_mnist": "torch.optim:NAdam", "launch.tf_mnist": "keras.optimizers:Nadam"}
+QUICK = ["--train-samples", "256", "--test-samples", "100", "--batch-size", "32", "--max-steps",
+         "2", "--no-progress"]
+
+
+@requires_horovod
+@pytest.mark.parametrize("module", list(FACTORY))
+def test_a_factory_trains_and_resuming_with_another_optimizer_is_one_line(module, tmp_path):
+    """A framework's own optimizer class as the factory trains and records itself in the
+    checkpoint; resuming with another ``--optimizer`` is one line naming both; a factory that
+    fails after ``hvd.init()`` is one line, exit status 2."""
+    ckpt = str(tmp_path / "ckpt")
+    spec = FACTORY[module]
+    proc = run([sys.executable, "-m", module, *QUICK, "--epochs", "1", "--optimizer", spec,
+                "--clip-grad-norm", "1", "--checkpoint-dir", ckpt])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"optimizer {spec}, gradients clipped to global norm 1 after averaging" in proc.stdout
+    proc = run([sys.executable, "-m", module, *QUICK, "--epochs", "2", "--optimizer", "adamw",
+                "--checkpoint-dir", ckpt, "--resume"])
+    one_error_line(proc, f"holds the state of --optimizer {spec}, this run has --optimizer adamw",
+                   f"resume with --optimizer {spec}")
+    one_error_line(run([sys.executable, "-m", module, *QUICK, "--optimizer", "json:loads"]),
+                   "--optimizer json:loads: calling it as loads(")
