@@ -55,6 +55,11 @@ def add_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--precision", choices=PRECISIONS, default="fp32",
                        help="fp32 (default), or bf16: bfloat16 compute with float32 weights and "
                             "optimizer (PyTorch autocast, Keras mixed_bfloat16); no loss scaling")
+    group.add_argument("--shard-optimizer", action="store_true",
+                       help="ZeRO stage 1 on the ring: gradients reduce-scattered, each rank "
+                            "updates 1/N of the flat weights and holds the optimizer state of that "
+                            "slice only, the weights allgathered; the same update (checkpoints "
+                            "hold the whole state: they resume sharded or not, at any -np)")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -74,6 +79,8 @@ def check(args: argparse.Namespace) -> None:
     if args.precision == "bf16" and args.amp:
         raise UserError("--precision bf16 and --amp (float16 with loss scaling) are two kinds of "
                         "mixed precision; drop one of the two flags")
+    if args.shard_optimizer:
+        _check_shard(args)
     if user and args.weight_decay:
         raise UserError(f"--weight-decay with --optimizer {spec}: your factory sets its own weight "
                         f"decay; drop --weight-decay")
@@ -85,6 +92,29 @@ def check(args: argparse.Namespace) -> None:
             raise UserError(f"--momentum must be in [0, 1), got {args.momentum}")
     else:
         args.momentum = TAKES_MOMENTUM.get(spec)
+
+
+def _check_shard(args: argparse.Namespace) -> None:
+    """--shard-optimizer's combinations that the framework-free flags can refuse (--strategy ps
+    refuses it in :func:`ring_only`, which its checks call)."""
+    if getattr(args, "pipeline_stages", 1) > 1 or getattr(args, "strategy", None) == "pipeline":
+        raise UserError("--shard-optimizer with --pipeline-stages: stages already split the "
+                        "model and its state; sharding a stage's state over its replicas is not "
+                        "supported for now; drop --shard-optimizer")
+    if args.optimizer not in BUILTIN:
+        # A slice's update equals the whole's only for an element-wise rule; a factory's may
+        # read a whole tensor (LAMB's and LARS's per-layer norms), which no slice holds.
+        raise UserError(f"--shard-optimizer with --optimizer {args.optimizer}: only the built-in "
+                        f"optimizers ({', '.join(BUILTIN)}) are known to update element by "
+                        f"element, as a slice of the flat weights needs; drop one of the two")
+    for flag, why in (("elastic", "an elastic job's ranks come and go, and each slice's state "
+                                  "would go with them: not supported for now"),
+                      ("adasum", "Adasum combines whole gradients pairwise, not a "
+                                 "reduce-scatter of their average"),
+                      ("amp", "float16 loss scaling unscales and checks the whole gradient "
+                              "before the step; use --precision bf16, which needs no scaling")):
+        if getattr(args, flag, False):
+            raise UserError(f"--shard-optimizer with --{flag}: {why}; drop one of the two flags")
 
 
 def plain_sgd(args: argparse.Namespace) -> bool:
@@ -116,11 +146,18 @@ def given(args: argparse.Namespace) -> list[str]:
         found.append(f"--clip-grad-norm {args.clip_grad_norm:g}")
     if args.precision != "fp32":
         found.append(f"--precision {args.precision}")
+    if getattr(args, "shard_optimizer", False):
+        found.append("--shard-optimizer")
     return found
 
 
 def ring_only(args: argparse.Namespace, strategy: str) -> None:
     """For now the ring alone trains with these flags: another strategy refuses them in one line."""
+    if getattr(args, "shard_optimizer", False):
+        why = ("the servers already hold each slice's optimizer state once"
+               if "ps" in strategy else "stages already split the model; not supported for now")
+        raise UserError(f"--shard-optimizer works on the ring only ({strategy}: {why}); drop "
+                        f"--shard-optimizer")
     found = given(args)
     if found:
         raise UserError(f"{found[0]} works on the ring only for now (--strategy ring); {strategy} "
@@ -141,6 +178,8 @@ def describe(args: argparse.Namespace, bf16_instructions: bool | None = None) ->
         parts.append(f"weight decay {args.weight_decay:g} ({kind})")
     if args.clip_grad_norm is not None:
         parts.append(f"gradients clipped to global norm {args.clip_grad_norm:g} after averaging")
+    if getattr(args, "shard_optimizer", False):
+        parts.append("optimizer state sharded over the ranks (ZeRO stage 1)")
     if args.precision == "bf16":
         parts.append("bfloat16 compute, float32 weights")
         if bf16_instructions is False:

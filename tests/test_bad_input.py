@@ -42,6 +42,9 @@ SMALL = ["--train-samples", "256", "--test-samples", "100", "--epochs", "1", "--
     (["--optimizer", "adam", "--momentum", "0.9"], "--momentum is a hyperparameter of sgd and rmsprop"),
     (["--strategy", "ps", "--optimizer", "adamw"], "--optimizer adamw works on the ring only for now"),
     (["--pipeline-stages", "2", "--precision", "bf16"], "--precision bf16 works on the ring only"),
+    (["--strategy", "ps", "--shard-optimizer"], "the servers already hold each slice's optimizer state"),
+    (["--shard-optimizer", "--adasum"], "--shard-optimizer with --adasum"),
+    (["--shard-optimizer", "--amp"], "--shard-optimizer with --amp"),
 ])
 def test_bad_flags(module, flags, needle):
     one_error_line(run([sys.executable, "-m", module, *flags]), needle)

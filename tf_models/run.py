@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from ringtrain import optimizer_spec
+from ringtrain.errors import UserError
 from ringtrain.optimizer_options import distributed_optimizer_options
 from ringtrain.output.progress import Loss
 from ringtrain.strategies.ring import options as ring_options
@@ -109,6 +110,10 @@ class KerasRun(KerasModelRun):
     through :class:`DistributedModel` and gets rank 0's state from Horovod's elastic state."""
 
     def __init__(self, args: argparse.Namespace, *, elastic: bool = False) -> None:
+        if args.shard_optimizer:  # before any collective: every rank stops alike, in one line
+            raise UserError("--shard-optimizer works with --framework torch only for now (the "
+                            "Keras trainer holds the whole optimizer state on every rank); drop "
+                            "--shard-optimizer")
         self.open_model(args, check_world=ring_options.check_world, elastic=elastic)
         # Horovod: its timeline (--timeline-out) records from here on, written by rank 0.
         self.tools.start(self.world.rank, hvd)

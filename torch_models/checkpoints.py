@@ -21,14 +21,17 @@ EXT = "pt"
 
 
 def save(path_dir: str, epoch: int, model, optimizer, identity: RunIdentity,
-         args: argparse.Namespace, stage: dict | None = None) -> None:
+         args: argparse.Namespace, stage: dict | None = None,
+         optimizer_state: dict | None = None) -> None:
     """The checkpoint of ``epoch``: the whole model's, or a pipeline stage's (``stage``: its
-    :func:`ringtrain.output.checkpoint.metadata` record, ``stage`` and ``stages`` in it)."""
+    :func:`ringtrain.output.checkpoint.metadata` record, ``stage`` and ``stages`` in it).
+    ``optimizer_state``: the optimizer's state already gathered (--shard-optimizer's, whose
+    ``state_dict`` is a collective that every rank must call, not rank 0 alone here)."""
     buf = io.BytesIO()
     torch.save({
         "meta": checkpoint.metadata(identity, epoch, checkpoint.config_of(args), stage),
         "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state if optimizer_state is not None else optimizer.state_dict(),
         "torch_rng": torch.get_rng_state(),
     }, buf)
     checkpoint.save(path_dir, epoch, EXT, buf.getvalue(),

@@ -25,7 +25,7 @@ from ringtrain.strategies.ring import options as ring_options
 from ringtrain.training import startup as startup_checks
 from ringtrain.training.run import FrameworkRun, RunIdentity, StepTag
 from ringtrain.training.world import World
-from torch_models import checkpoints, optimizers, startup
+from torch_models import checkpoints, optimizers, sharded, startup
 from torch_models.collectives import COLLECTIVES, VERSIONS, average_buffers
 from torch_models.evaluation import FiniteWatch, parameters
 from torch_models.model import build
@@ -138,6 +138,29 @@ class TorchRun(TorchModelRun):
         # Horovod: scale the learning rate with the number of workers (warm-up and decay per step).
         lr = self.target_lr if not elastic else args.base_lr  # elastic: set per step, per world
         self.fused = fused_sgd(self.model, self.device) or None
+        self.sharded = args.shard_optimizer  # ZeRO stage 1: state for this rank's slice only
+        if self.sharded:
+            self.optimizer = sharded.ShardedOptimizer(args, self.model, lr, self.fused, hvd,
+                                                      args.clip_grad_norm)
+            # The weights now live in the flat buffer: the finiteness watch held detached
+            # tensors of their old storage (kept alive, and no longer the trained weights).
+            self.finite = FiniteWatch(self.model, lag=self.device.type == "cuda")
+            self.start_epoch = startup_checks.resume_epoch(self.world, args, self.restore)
+            # Horovod: broadcast rank 0's weights (views of the flat buffer, written in place),
+            # then hand out rank 0's restored optimizer state, each rank keeping its slice.
+            hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+            self.optimizer.scatter_state()
+        else:
+            self._unsharded_optimizer(args, lr, elastic)
+        self.scaler = torch.amp.GradScaler("cuda") if args.amp else None
+        self.clip, self.bf16 = args.clip_grad_norm, args.precision == "bf16"
+        # (autocast's context, even disabled, costs 12 us of Python a step: only when asked for)
+        self.autocast = (lambda: torch.autocast("cuda")) if args.amp else (
+            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if self.bf16
+            else contextlib.nullcontext)
+
+    def _unsharded_optimizer(self, args: argparse.Namespace, lr: float, elastic: bool) -> None:
+        """Horovod's DistributedOptimizer over the chosen optimizer, resumed and broadcast."""
         optimizer = optimizers.build(args, self.model, lr, self.fused)  # --optimizer, checked
         # Horovod: wrap the optimizer: step() averages the gradients over all ranks (ring allreduce).
         self.optimizer = optimizers.wrap(args.optimizer, lambda: hvd.DistributedOptimizer(
@@ -155,12 +178,21 @@ class TorchRun(TorchModelRun):
             # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) to every rank.
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
             hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
-        self.scaler = torch.amp.GradScaler("cuda") if args.amp else None
-        self.clip, self.bf16 = args.clip_grad_norm, args.precision == "bf16"
-        # (autocast's context, even disabled, costs 12 us of Python a step: only when asked for)
-        self.autocast = (lambda: torch.autocast("cuda")) if args.amp else (
-            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if self.bf16
-            else contextlib.nullcontext)
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """--shard-optimizer: every rank, each gathering its slice of the state for rank 0's file
+        (which alone writes it, :meth:`save`); else rank 0."""
+        return self.sharded or self.world.rank == 0
+
+    def save(self, epoch: int) -> None:
+        if not self.sharded:
+            super().save(epoch)
+            return
+        whole = self.optimizer.state_dict()  # a collective: the unsharded file's format
+        if self.world.rank == 0:
+            checkpoints.save(self.args.checkpoint_dir, epoch, self.model, self.optimizer,
+                             self.identity, self.args, optimizer_state=whole)
 
     def describe(self) -> list[str]:
         """Under the banner: the update, when it is not the default SGD's."""
@@ -200,7 +232,9 @@ class TorchRun(TorchModelRun):
                 scaler.scale(scaled).backward()
             else:
                 scaled.backward()
-        if scaler is not None or self.clip is not None:
+        if self.sharded:  # reduce-scatter, clip, this rank's slice, allgather
+            optimizer.step()
+        elif scaler is not None or self.clip is not None:
             # Horovod's recipe for work on the averaged gradients (its AMP example): allreduce
             # first, then unscale (--amp) and clip the global norm, then step without a 2nd sync.
             optimizer.synchronize()
