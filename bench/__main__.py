@@ -11,8 +11,10 @@ folder's size, throughput against one fixed batch; PyTorch): ``--only data``; ``
 servers against the ring: staleness against accuracy, a straggler, the server's link as root;
 PyTorch): ``--only ps``; ``pipeline`` (model parallelism: GPipe and 1F1B against the bubble
 formula, against data parallelism, a model too large for one rank's memory cap, and, as root, the
-bytes on a link between two emulated hosts; PyTorch): ``--only pipeline``.  Each part is a module
-of bench/parts/: its own name, or ``allreduce`` (collectives), ``emulated_cluster`` (cluster),
+bytes on a link between two emulated hosts; PyTorch): ``--only pipeline``; ``fault_recovery`` (the
+seconds one rank SIGKILLed mid-epoch costs under the ring with ``--resume``, ``--elastic``, the
+pipeline with ``--resume`` and the parameter servers; PyTorch): ``--only fault_recovery``.  Each part
+is a module of bench/parts/: its own name, or ``allreduce`` (collectives), ``emulated_cluster`` (cluster),
 ``owndata`` (data), ``param_servers`` (ps), ``model_parallel`` (pipeline).
 Each part's JSON is written to ``<out>/<part>.json`` as soon as it finishes; ``results.json``
 merges the latest of each, so ``--only`` reruns one part and keeps the others.  ``--profile RUN``
@@ -34,6 +36,7 @@ from bench.parts import (
     allreduce,
     config,
     emulated_cluster,
+    fault_recovery,
     floor,
     machine,
     model_parallel,
@@ -183,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
             scale = (model_parallel.smoke if args.smoke else model_parallel.quick if args.quick
                      else model_parallel.full)
             data = model_parallel.run_part(scale(), out)
+        elif part == "fault_recovery":
+            if "torch" not in frameworks:
+                util.say("fault_recovery: measures torch only; skipped")
+                continue
+            scale = (fault_recovery.smoke if args.smoke else fault_recovery.quick if args.quick
+                     else fault_recovery.full)
+            data = fault_recovery.run_part(scale(), out)
         else:
             data = accuracy.run_part(cfg, out, frameworks)
         data["quick"] = cfg.quick or args.smoke

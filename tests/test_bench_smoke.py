@@ -207,6 +207,53 @@ def test_ps_part(tmp_path):
     assert "## 9. Parameter servers" in md and "### 9.3" in md
 
 
+def test_fault_recovery_part_measures_and_renders(tmp_path):
+    """The fault_recovery part without a process (its real run is ~1 min per strategy on 2 cores):
+    each strategy's job is built as docs/fault-tolerance.md runs it (victim never rank 0), the
+    arithmetic of :func:`bench.parts.fault_recovery.measure` on recorded events, and section 11
+    renders every strategy's row, a failed one included."""
+    from bench.parts import fault_recovery as fr
+    from bench.reports.report_fault_recovery import section
+
+    cfg = fr.smoke()
+    assert cfg.strategies == ["ring"] and fr.quick().strategies == list(fr.STRATEGIES)
+    for strategy in fr.STRATEGIES:
+        cmd, env, victim = fr.command(cfg, strategy, tmp_path / strategy)
+        assert victim != 0 and "--stall-timeout" in cmd and "--checkpoint-dir" in cmd
+        assert ("--no-progress" in cmd) == (strategy == "elastic")  # the others strike on the bar
+    assert "--enable-recovery" not in fr.command(cfg, "ps", tmp_path / "p")[0]  # the launcher adds it
+    assert fr.command(cfg, "ps", tmp_path / "p")[0][2].endswith(".horovodrun")  # ringtrain's launcher
+    assert fr.BAR.search("\x1b[0mepoch 2/4 [###.....] 5/48 loss 0.3").groups() == ("2", "4", "5", "48")
+    # ring: killed at step 5 of epoch 2, resumed after epoch 1: 5 steps redone; from scratch: 53
+    assert fr.fixed_lost_steps(2, 5, 48, 1) == 5 and fr.fixed_lost_steps(2, 5, 48, None) == 53
+    assert fr.elastic_lost_steps(9.6, 8, 4) == 1.6 and fr.elastic_lost_steps(20, 8, 4) == 4.0
+    assert fr.elastic_lost_steps(3, 8, 4) == 0.0
+    r = fr.measure("ring", kill_t=30.0, clean_wall=50.0, clean_step_s=0.1, fault_wall=75.5,
+                   recovered_t=48.25, lost_steps=5)
+    assert (r["to_training_again_s"], r["lost_work_s"], r["seconds_lost"]) == (18.25, 0.5, 25.5)
+    ps = fr.measure("ps", kill_t=30.0, clean_wall=50.0, clean_step_s=0.1, fault_wall=52.0,
+                    recovered_t=30.5, lost_steps=0, applied=256, expected_applied=256, exactly_once=True)
+    assert ps["no_update_lost"] and ps["lost_work_s"] == 0
+    assert not fr.measure("ps", kill_t=1, clean_wall=1, clean_step_s=1, fault_wall=1, recovered_t=None,
+                          lost_steps=0, applied=255, expected_applied=256,
+                          exactly_once=True)["no_update_lost"]
+    r.update(ok=True, kill_epoch=2, kill_step=5, resumed_from_epoch=1, job_end_after_kill_s=1.5,
+             resume_start_up_s=16.8, victim=1)
+    el = fr.measure("elastic", kill_t=20.0, clean_wall=40.0, clean_step_s=0.1, fault_wall=45.0,
+                    recovered_t=22.0, lost_steps=1.6)
+    el.update(ok=True, victim=1, rollback_step=8, lost_steps_bound=4,
+              resizes=[{"world_size": 2}, {"world_size": 1}])
+    ps.update(ok=True, victim=3, lost=[{"rank": 3, "epoch": 2}])
+    part = {"config": cfg.to_dict(), "load_average_at_start": [1.0, 1.0, 1.0],
+            "rows": [r, el, ps, {"strategy": "pipeline", "ok": False, "error": "x"}]}
+    md = "\n".join(section({"fault_recovery": part, "machine": {"cores": 2}}))
+    assert "## 11. Seconds lost to one killed rank" in md
+    assert "| ring, fixed + `--resume` | 18.2 | 5 steps, 0.5 s | 50.0 | 75.5 | 25.5 |" in md
+    assert "world 2 -> 1, rolled back to step 8" in md and "0 (every gradient applied once: 256/256)" in md
+    assert "| pipeline S=2 + `--resume` | failed |" in md
+    assert section({}) == []
+
+
 def test_profile(tmp_path):
     """``--profile RUN`` runs that run alone, wrapped for py-spy on rank 0; without py-spy (not in
     the test extra) the run still goes through that path, and the test skips what needs samples."""

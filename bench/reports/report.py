@@ -17,6 +17,7 @@ from bench.reports import (
     report_builds,
     report_cluster,
     report_data,
+    report_fault_recovery,
     report_floor,
     report_headline,
     report_pipeline,
@@ -35,7 +36,8 @@ def _rel(target: Path, base: Path) -> str:
         return str(target)
 
 
-PARTS = ("throughput", "collectives", "accuracy", "cluster", "floor", "data", "ps", "pipeline")
+PARTS = ("throughput", "collectives", "accuracy", "cluster", "floor", "data", "ps", "pipeline",
+         "fault_recovery")
 DEFAULT_PARTS = ("throughput", "collectives", "accuracy")  # cluster, floor: `make bench-cluster`;
 # data: `python -m bench --only data` (about 30 min on 2 cores); ps: `python -m bench --only ps`
 # (parameter servers; its link table as root)
@@ -390,7 +392,7 @@ def render(res: dict) -> str:
              dated(accuracy(res), "accuracy"), dated(report_cluster.section(res), "cluster"),
              dated(report_floor.section(res), "floor"), dated(report_data.section(res), "data"),
              dated(report_ps.section(res), "ps"), dated(report_pipeline.section(res), "pipeline"),
-             profile(res)]
+             dated(report_fault_recovery.section(res), "fault_recovery"), profile(res)]
     return "\n".join(line for part in parts for line in part).rstrip() + "\n"
 
 
