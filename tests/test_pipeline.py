@@ -41,9 +41,20 @@ def model(fw: str) -> list[str]:
     return ["--model", f"pipeline_models:{fw}_cnn64"]
 
 
-def pipe(schedule: str, micro: int, epochs: int = 1) -> list[str]:
-    return [*PLAIN, "--batch-size", str(B), "--pipeline-stages", "2", "--schedule", schedule,
+def pipe(schedule: str, micro: int, epochs: int = 1, plain: list[str] = PLAIN) -> list[str]:
+    return [*plain, "--batch-size", str(B), "--pipeline-stages", "2", "--schedule", schedule,
             "--microbatches", str(micro), "--epochs", str(epochs)]
+
+
+# Each stage's own AdamW with decoupled weight decay, clipped by the whole model's gradient norm:
+# at these steps the float64 CNN's norm measured 1.7 to 4.0 (one process, 2026-11-28), so 0.1
+# clips every step, by a factor of 0.02 to 0.06.  AdamW has its betas, no --momentum.
+NO_MOMENTUM = [a for a in PLAIN if a not in ("--momentum", "0.9")]
+ADAMW = ["--optimizer", "adamw", "--base-lr", "0.001", "--weight-decay", "0.01"]
+CLIP = ["--clip-grad-norm", "0.1"]
+# --precision bf16 on the built-in float32 CNN, beside the same run in float32: two epochs, the
+# loss of the second below the first's.
+FLOAT32 = [*pipe("1f1b", 4, epochs=2), "--model", "cnn"]
 
 
 M_DEEP = 4  # micro-batches of B / 4 = 4 rows (BatchNorm1d needs 2 or more)
@@ -66,11 +77,17 @@ GROUPS = {
         # epoch 2 at batch 32 after epoch 1 at batch 16: what the R = 2 resume below must equal
         ("ref-resume", [*PLAIN, "--batch-size", str(2 * B), "--epochs", "2", "--resume"],
          "single/ref-b16"),
+        ("ref-adamw", [*NO_MOMENTUM, "--batch-size", str(B), "--epochs", "1", *ADAMW, *CLIP], None),
+        # the same without clipping: it must end elsewhere, or the clipping test proves nothing
+        ("ref-adamw-free", [*NO_MOMENTUM, "--batch-size", str(B), "--epochs", "1", *ADAMW], None),
     ]),
     "np2": (2, "horovodrun", (), [
         ("gpipe", pipe("gpipe", 4), None),
         # the strategy spelt out: the same job as --pipeline-stages 2 alone, which implies it
         ("1f1b", ["--strategy", "pipeline", *pipe("1f1b", 4)], None),
+        ("adamw", [*pipe("1f1b", 4, plain=NO_MOMENTUM), *ADAMW, *CLIP], None),
+        ("fp32", FLOAT32, None),
+        ("bf16", [*FLOAT32, "--precision", "bf16"], None),
     ]),
     "np4": (4, "horovodrun", ("np2",), [
         ("gpipe", pipe("gpipe", 2), None),
@@ -147,12 +164,12 @@ def load_params(path: Path) -> list[np.ndarray]:
     return [t.numpy() for t in state.values()]
 
 
-def assert_same(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+def assert_same(a: list[np.ndarray], b: list[np.ndarray], atol: float = ATOL) -> None:
     # float64 weights (and BatchNorm's statistics); BatchNorm's batch counters are integers
     assert len(a) == len(b) and all(x.dtype in (np.float64, np.int64) for x in a)
     assert any(x.dtype == np.float64 for x in a)
     for x, y in zip(a, b, strict=True):
-        np.testing.assert_allclose(x, y, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(x, y, rtol=RTOL, atol=atol)
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +253,62 @@ def test_the_summary_names_each_stage(fw, runs):
     assert [by_rank[r]["param_bytes"] for r in range(4)] == [split[r % 2]["bytes"] for r in range(4)]
 
 
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_adamw_with_decay_clipped_by_the_global_norm_over_the_stages_equals_one_process(fw, runs):
+    """S = 2: each stage's AdamW (its moments and step count broadcast within its set), its
+    gradients scaled by the norm over both stages, equals one process's AdamW clipped by the
+    model's norm; the stages' checkpoints hold AdamW's state."""
+    m = runs.metrics(fw, "np2/adamw")
+    ref = runs.metrics(fw, "single/ref-adamw")
+    stage_checksums_agree(m)
+    mine, theirs = runs.params(fw, "np2/adamw"), runs.params(fw, "single/ref-adamw")
+    # Adam divides each gradient by its own running magnitude: a weight whose gradients are near
+    # zero (a unit ReLU keeps dead) moves by lr x g / (|g| + eps), which turns the rounding of g
+    # into its update.  Keras' float64 gradients differ from one process's by up to 2e-10
+    # (docs/pipeline.md), and measured one weight of 184,586 1.4e-8 apart after 12 steps; PyTorch's
+    # (3e-17) stay within the other tests' 1e-8.  1e-6 is still a thousandth of one update (LR 1e-3).
+    assert_same(mine, theirs, atol=ATOL if fw == "torch" else 1e-6)
+    assert m["epochs"][0]["train_loss"] == pytest.approx(ref["epochs"][0]["train_loss"], rel=1e-6)
+    assert m["final_test_accuracy"] == ref["final_test_accuracy"]
+    # Clipping bites: without it one process ends more than an update away (a per-stage norm,
+    # or none, would not match the reference above).
+    free = runs.params(fw, "single/ref-adamw-free")
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(theirs, free, strict=True)) > 1e-4
+    folder = runs.out(fw, "np2/adamw")
+    for path in sorted(folder.glob("ckpt-epoch0001-stage*")):  # Adam's moments, per stage
+        if path.suffix == ".pt":
+            import torch
+
+            state = torch.load(path, map_location="cpu", weights_only=True)["optimizer"]["state"]
+            assert state and all({"exp_avg", "exp_avg_sq", "step"} <= set(s) for s in state.values())
+            assert all(float(s["step"]) == 12 for s in state.values())
+        else:
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(str(z["meta"]))
+                slots = [k for k in z.files if k.startswith("optimizer_")]
+                assert meta["optimizer"] == "adamw"
+                assert len(slots) >= 2 * len(meta["weight_keys"])  # m and v per weight
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_bf16_stages_send_half_the_bytes_keep_float32_weights_and_learn(fw, runs):
+    """--precision bf16 at S = 2: the activations and their gradients cross the cut in bfloat16,
+    half the bytes of the same run in float32 (measured by the engine, per step and rank); the
+    weights stay float32; the loss falls, near float32's."""
+    bf, fp = runs.metrics(fw, "np2/bf16"), runs.metrics(fw, "np2/fp32")
+
+    def per_rank(m, key):
+        return [r[key] for r in sorted(m["pipeline"]["ranks"], key=lambda r: r["rank"])]
+
+    assert all(per_rank(fp, "sent_bytes_per_step"))
+    assert per_rank(bf, "sent_bytes_per_step") == [b / 2 for b in per_rank(fp, "sent_bytes_per_step")]
+    assert per_rank(bf, "param_bytes") == per_rank(fp, "param_bytes")
+    losses = [e["train_loss"] for e in bf["epochs"]]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    for a, b in zip(losses, [e["train_loss"] for e in fp["epochs"]], strict=True):
+        assert a == pytest.approx(b, abs=0.1)
+
+
 # --- bad input: one line, exit 2 ---------------------------------------------------------------
 
 @pytest.mark.parametrize("module", ["launch.torch_mnist", "launch.tf_mnist"])
@@ -248,6 +321,7 @@ def test_the_summary_names_each_stage(fw, runs):
     (["--pipeline-stages", "0"], "--pipeline-stages must be a positive integer"),
     (["--schedule", "gpipe"], "--schedule works with --pipeline-stages 2 or more"),
     (["--checkpoint-activations"], "--checkpoint-activations works with --pipeline-stages 2 or more"),
+    (["--partition", "time"], "--partition works with --pipeline-stages 2 or more"),
     (["--pipeline-stages", "2", "--schedule", "zigzag"], "invalid choice: 'zigzag'"),
     (["--strategy", "pipeline"], "--strategy pipeline needs --pipeline-stages S of 2 or more"),
     (["--strategy", "ring", "--pipeline-stages", "2"], "--strategy ring with --pipeline-stages 2"),
@@ -296,3 +370,22 @@ def test_resuming_checkpoints_of_another_stage_count_is_one_line(tmp_path):
                           how="single"), timeout=120)
     one_error_line(proc, "holds checkpoints of 2 pipeline stages", "--pipeline-stages 1",
                    "resume with --pipeline-stages 2")
+
+
+def test_resuming_a_stage_with_another_optimizer_is_one_line():
+    """A stage's file records its optimizer; another --optimizer is refused before any state is
+    read into the stage (in process: the check every stage's first replica makes on its file)."""
+    from types import SimpleNamespace
+
+    from ringtrain.errors import UserError
+    from ringtrain.strategies.pipeline.run import PipelineRun
+
+    me = SimpleNamespace(args=SimpleNamespace(optimizer="sgd"))
+    with pytest.raises(UserError) as err:
+        PipelineRun.check_loaded(me, {"optimizer": "adamw", "pipeline": {}}, "ckpt-epoch0001-stage0of2.pt")
+    assert str(err.value) == ("ckpt-epoch0001-stage0of2.pt holds the state of --optimizer adamw, "
+                              "this run has --optimizer sgd; resume with --optimizer adamw, or use "
+                              "another --checkpoint-dir to start sgd afresh")
+    # a file written before --optimizer existed holds SGD's state: it passes on to the layers' check
+    me.stages, me.place = [SimpleNamespace(params=3, layers=["a"])], SimpleNamespace(stage=0)
+    PipelineRun.check_loaded(me, {"pipeline": {"params": 3, "layers": ["a"]}}, "old.pt")

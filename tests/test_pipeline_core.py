@@ -5,6 +5,7 @@ gradient, in float64.  The multi-process runs are in tests/test_pipeline.py."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import queue
 import threading
@@ -16,8 +17,9 @@ import numpy as np
 import pytest
 
 from ringtrain.errors import UserError
+from ringtrain.strategies.pipeline import timing
 from ringtrain.strategies.pipeline.engine import Boundary, EvalRelay, run_step
-from ringtrain.strategies.pipeline.partition import balanced_split
+from ringtrain.strategies.pipeline.partition import Stage, balanced_split, timed_stages
 from ringtrain.strategies.pipeline.placement import Placement, check_world
 from ringtrain.strategies.pipeline.run import micro_rows
 from ringtrain.strategies.pipeline.schedule import (
@@ -89,6 +91,115 @@ def test_the_split_minimises_the_largest_stage_and_gives_every_stage_weights(see
         assert [i for r in ranges for i in r] == list(range(n)), "contiguous, covering, in order"
         assert all(any(params[i] for i in r) for r in ranges)
         assert max(sum(params[i] for i in r) for r in ranges) == brute_force_max(params, stages)
+
+
+def brute_force_splits(costs, params, stages):
+    """Every split of ``len(costs)`` layers into contiguous stages each holding weights: (its
+    slowest stage's cost, the values crossing its cuts, its cuts)."""
+    n = len(costs)
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = [0, *cuts, n]
+        if all(any(params[a:b]) for a, b in itertools.pairwise(bounds)):
+            yield max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)), cuts
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_split_by_costs_minimises_the_slowest_stage_and_gives_every_stage_weights(seed):
+    """--partition time: the same search on each layer's seconds.  Weights still decide which
+    layers may form a stage (a layer without weights may cost the most); the slowest stage is the
+    smallest possible, or, with a slack, within it of the smallest, the cut tie-break choosing
+    among those."""
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(3, 9))
+    params = [int(p) if rng.random() < 0.6 else 0 for p in rng.integers(1, 100, n)]
+    if sum(p > 0 for p in params) < 2:
+        params[0] = params[-1] = 5
+    costs = [float(c) for c in rng.uniform(1e-4, 5e-2, n)]  # seconds: no tie by accident
+    cut_sizes = [int(c) for c in rng.integers(1, 50, n)]
+    for stages in range(2, sum(p > 0 for p in params) + 1):
+        options = list(brute_force_splits(costs, params, stages))
+        best = min(worst for worst, _ in options)
+        ranges = balanced_split(params, cut_sizes, stages, "m", costs)
+        assert [i for r in ranges for i in r] == list(range(n))
+        assert all(any(params[i] for i in r) for r in ranges)
+        assert max(sum(costs[i] for i in r) for r in ranges) == best
+        slack = 0.3
+        loose = balanced_split(params, cut_sizes, stages, "m", costs, slack)
+        assert max(sum(costs[i] for i in r) for r in loose) <= best * (1 + slack)
+        fewest = min(sum(cut_sizes[c - 1] for c in cuts) for worst, cuts in options
+                     if worst <= best * (1 + slack))
+        assert sum(cut_sizes[r.start - 1] for r in loose[1:]) == fewest
+
+
+def test_costs_move_the_cut_that_parameter_counts_place():
+    """A wide cheap layer then costly narrow ones: by parameters the wide layer is a stage of its
+    own, by costs it shares stage 0 with the first costly layer; costs equal to the parameter
+    counts give the parameter split exactly."""
+    params, cuts = [1000, 0, 10, 10, 10, 10], [50, 50, 50, 50, 50, 10]
+    costs = [1.0, 0.01, 3.0, 3.0, 3.0, 3.0]
+    assert balanced_split(params, cuts, 2, "m") == [range(0, 1), range(1, 6)]
+    assert balanced_split(params, cuts, 2, "m", costs) == [range(0, 4), range(4, 6)]
+    for stages in (2, 3, 4):
+        assert balanced_split(params, cuts, stages, "m", params) == balanced_split(params, cuts, stages, "m")
+        assert balanced_split(CNN_PARAMS, CNN_CUTS, stages, "cnn", CNN_PARAMS) == \
+            balanced_split(CNN_PARAMS, CNN_CUTS, stages, "cnn")
+
+
+def test_each_stage_records_its_share_of_the_timed_seconds():
+    stages = [Stage(0, ("a", "b"), 10, 40, (4,), (3,)), Stage(1, ("c",), 5, 20, (3,), (2,))]
+    timed = timed_stages(stages, [0.5, 1.5, 2.0])
+    assert [(s.seconds, s.time_share) for s in timed] == [(2.0, 0.5), (2.0, 0.5)]
+    assert timed[0].record()["time_share"] == 0.5 and "50% of the timed compute" in timed[0].line()
+    assert timed_stages(stages, None) == stages
+    assert "seconds" not in stages[0].record() and "timed" not in stages[0].line()
+
+
+def timing_ranks(measure_on, size: int = 3):
+    """Each rank of a fake world (threads, Horovod's collectives checked to match) asks for the
+    layers' seconds as a pipeline rank does (:func:`timing.for_run`); ``measure_on(rank)`` is the
+    rank's own measurement.  Each rank's outcome (its seconds, or its UserError's text) and the
+    ranks that measured."""
+    from fake_run import Bus, fake_world
+
+    bus, measured = Bus(size), []
+    args = argparse.Namespace(partition="time", checkpoint_activations=False)
+
+    def rank(r):
+        plan = timing.for_run(fake_world(bus, r), args, 8)
+
+        def measure():
+            measured.append(r)
+            return measure_on(r)
+
+        try:
+            return plan.agree(measure)
+        except UserError as err:
+            return str(err)
+
+    return on_threads(size, rank), measured, bus.calls
+
+
+def test_rank_0_times_and_every_rank_splits_on_its_seconds():
+    """Timings differ from rank to rank: only rank 0 measures, and every rank gets its figures
+    (one broadcast, the same collectives on every rank)."""
+    got, measured, calls = timing_ranks(lambda r: [0.1 * (r + 1), 0.2, 0.3])
+    assert got == [[0.1, 0.2, 0.3]] * 3 and measured == [0]
+    assert calls[0] == calls[1] == calls[2] and calls[0]
+    assert timing.for_run(None, argparse.Namespace(partition="params"), 8) is None
+
+
+@pytest.mark.parametrize("failure,says", [
+    (RuntimeError("not enough memory\nsecond line"), "--partition time: timing the model's layers "
+                                                     "on rank 0 failed (RuntimeError: not enough "
+                                                     "memory); use --partition params"),
+    (UserError("--model m: bad"), "--model m: bad"),
+])
+def test_a_failure_while_timing_on_rank_0_ends_every_rank_in_one_line(failure, says):
+    def measure(r):
+        raise failure
+
+    got, measured, _ = timing_ranks(measure)
+    assert got == [says] * 3 and measured == [0] and "\n" not in says
 
 
 def test_more_stages_than_layers_with_weights_is_one_line():

@@ -201,8 +201,6 @@ def torch_split(spec: str, data: DataInfo, stages_: int, keep):
     ("test_stage_build:torch_bn_dropout", MNIST, 3), ("test_stage_build:torch_embedding", TOKENS, 3),
     ("test_stage_build:torch_stage_list", MNIST, 3)])
 def test_torch_each_stage_built_alone_equals_its_layers_of_the_whole_build(spec, data, count):
-    import torch
-
     from torch_models import stages
 
     whole = torch_whole(spec, data)
@@ -210,14 +208,21 @@ def test_torch_each_stage_built_alone_equals_its_layers_of_the_whole_build(spec,
         split = torch_split(spec, data, count, keep)
         assert split.built == stages.BY_STAGE
         assert [m is None for m in split.modules] == [i != keep for i in range(count)]
-        mine = split.modules[keep]
-        first = sum(len(s.layers) for s in split.stages[:keep])
-        ref = torch_state(whole[first:first + len(mine)])
-        got = torch_state(list(mine.named_children()))
-        assert [k.split(".", 1)[1] for k in got] == [k.split(".", 1)[1] for k in ref]
-        for (name, a), b in zip(got.items(), ref.values(), strict=True):
-            assert a.device.type == "cpu" and a.dtype == b.dtype, name
-            assert torch.equal(a, b), f"stage {keep} of {spec}: {name} differs"
+        torch_compare(split, whole, keep, spec)
+
+
+def torch_compare(split, whole, keep: int, spec: str) -> None:
+    """Stage ``keep`` of ``split`` holds the whole build's layers at its place, value for value."""
+    import torch
+
+    mine = split.modules[keep]
+    first = sum(len(s.layers) for s in split.stages[:keep])
+    ref = torch_state(whole[first:first + len(mine)])
+    got = torch_state(list(mine.named_children()))
+    assert [k.split(".", 1)[1] for k in got] == [k.split(".", 1)[1] for k in ref]
+    for (name, a), b in zip(got.items(), ref.values(), strict=True):
+        assert a.device.type == "cpu" and a.dtype == b.dtype, name
+        assert torch.equal(a, b), f"stage {keep} of {spec}: {name} differs"
 
 
 def test_torch_a_stage_holds_no_later_layer_and_one_earlier_layer_at_a_time(monkeypatch):
@@ -291,6 +296,53 @@ def test_torch_too_many_stages_is_one_line_before_any_weight_exists(monkeypatch)
     monkeypatch.setattr(stages._Meta, "replay", refuse)
     with pytest.raises(UserError, match="--pipeline-stages 5 is more than the 4 layers with weights"):
         torch_split("cnn", MNIST, 5, 0)
+
+
+# --partition time: rank 0 times each layer alone, on a copy; the weights are the whole build's.
+
+@pytest.mark.parametrize("spec,data,count", [
+    ("cnn", MNIST, 3), ("test_stage_build:torch_bn_dropout", MNIST, 3),
+    ("test_stage_build:torch_embedding", TOKENS, 3),
+    ("test_stage_build:torch_attention", MNIST, 2)])  # built whole, timed all the same
+def test_torch_stages_split_by_time_hold_the_whole_builds_weights(spec, data, count):
+    import torch
+
+    from ringtrain.strategies.pipeline import timing
+    from torch_models import stages
+
+    whole = torch_whole(spec, data)
+    for keep in range(count):
+        torch.manual_seed(SEED)
+        split = stages.build(spec, data, 0.5, count, keep=keep, timing=timing.in_process(4, repeats=1))
+        assert (split.built == stages.BY_STAGE) == ("attention" not in spec), split.built
+        assert all(s.time_share is not None for s in split.stages)
+        torch_compare(split, whole, keep, spec)
+
+
+def test_torch_timing_leaves_every_random_generator_where_it_was_and_the_model_on_meta():
+    """The layers' Dropout draws its masks from the CPU generator while timed: the generator the
+    weight replay draws from must be where it was (and NumPy's and Python's), and no layer of the
+    model itself gets storage (each timed layer is a copy)."""
+    import random
+
+    import torch
+
+    from ringtrain.strategies.pipeline import timing
+    from torch_models import stages
+
+    meta = stages._on_meta("test_stage_build:torch_bn_dropout", MNIST, 0.5, (1, 28, 28),
+                           torch.float32)
+    torch.manual_seed(SEED)
+    np.random.seed(SEED)
+    random.seed(SEED)
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    costs = stages.layer_seconds(meta.layers, meta.sizes, (1, 28, 28), torch.float32,
+                                 timing.in_process(4, repeats=2))
+    assert len(costs) == len(meta.layers) and all(c >= 0 for c in costs)
+    assert torch.equal(before[0], torch.get_rng_state())
+    assert np.array_equal(before[1], np.random.get_state()[1]) and before[2] == random.getstate()
+    assert all(t.device.type == "meta" for _, m in meta.layers
+               for t in [*m.parameters(), *m.buffers()])
 
 
 # --- Keras --------------------------------------------------------------------------------------------
@@ -406,6 +458,63 @@ def test_keras_too_many_stages_is_one_line_before_any_weight_exists(monkeypatch)
         keras_split("cnn", MNIST, 5, 0)
 
 
+@pytest.mark.parametrize("spec,data,count", [
+    ("cnn", MNIST, 3), ("test_stage_build:keras_bn_dropout", MNIST, 3),
+    ("test_stage_build:keras_embedding", TOKENS, 3),
+    ("test_stage_build:keras_built", MNIST, 2)])  # built whole, timed all the same
+def test_keras_stages_split_by_time_hold_the_whole_builds_weights(spec, data, count):
+    import keras
+
+    from ringtrain.strategies.pipeline import timing
+    from tf_models import stages
+
+    whole = keras_whole(spec, data)
+    for keep in range(count):
+        keras.utils.set_random_seed(SEED)
+        split = stages.build_split(spec, data, 0.5, count, keep=keep,
+                                   timing=timing.in_process(4, repeats=1))
+        assert (split.built == stages.BY_STAGE) == ("built" not in spec), split.built
+        assert all(s.time_share is not None for s in split.stages)
+        first = sum(len(s.layers) for s in split.stages[:keep])
+        keras_compare(split.models[keep], whole, first, f"stage {keep} of {spec} (timed)")
+
+
+def test_keras_timing_leaves_the_random_state_and_the_models_variables_as_they_were():
+    """A timed layer is a copy made from its config: an unseeded Dropout's copy draws a seed from
+    Python's generator and a name from Keras' counters, and its built copy has values; after the
+    timing every generator (Python's, NumPy's, Keras' global SeedGenerator) and name counter is
+    where it was, and the model's own variables are still deferred (no value)."""
+    import random
+
+    import keras
+    from keras.src.backend.common import global_state
+
+    from ringtrain.strategies.pipeline import timing
+    from tf_models import stages
+
+    keras.utils.set_random_seed(SEED)
+    built = stages.instantiate("test_stage_build:keras_bn_dropout", MNIST, 0.5,
+                               allowed=(keras.Model,), built=False)
+    layers = stages._chain("m", built, (28, 28, 1), "float32")[0]
+    outputs, variables = stages._deferred("m", MNIST, layers)
+    keras.random.randint((1,), 0, 9)  # the global SeedGenerator exists and has moved
+
+    def state():
+        gen = global_state.get_global_attribute("global_seed_generator")
+        return (random.getstate(), np.random.get_state()[1].copy(), gen.state.numpy().copy(),
+                dict(global_state.get_global_attribute("object_name_uids")),
+                len(global_state.get_global_attribute("uninitialized_variables", [])))
+
+    before = state()
+    costs = stages.layer_seconds(layers, outputs, (28, 28, 1), "float32",
+                                 timing.in_process(4, repeats=2))
+    after = state()
+    assert len(costs) == len(layers) and all(c >= 0 for c in costs)
+    assert before[0] == after[0] and np.array_equal(before[1], after[1])
+    assert np.array_equal(before[2], after[2]) and before[3:] == after[3:]
+    assert all(v._value is None for vs in variables for v in vs)
+
+
 # --- the memory check comes before the stage's weights exist ---------------------------------------
 
 @pytest.mark.parametrize("fw", ["torch", "tf"])
@@ -419,7 +528,7 @@ def test_a_stage_too_big_for_its_rank_is_one_line_before_its_weights_exist(fw):
 
     def fits(stage, weight_bytes, activation_bytes):
         seen.append((stage, weight_bytes, activation_bytes))
-        memory.check_fits(memory.needs(stage, weight_bytes, "sgd", 0.9, activation_bytes, 16, 2),
+        memory.check_fits(memory.needs(stage, weight_bytes, 1, activation_bytes, 16, 2),
                           memory.Limit(64 << 10, 1 << 20, "RLIMIT_DATA"), 2)
 
     if fw == "torch":

@@ -16,6 +16,7 @@ stage's first replica broadcasts its weights and optimizer state within the set.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -27,10 +28,11 @@ import tensorflow as tf
 
 from ringtrain.strategies.pipeline import options as pipeline_options
 from ringtrain.strategies.pipeline import run as pipeline
+from ringtrain.strategies.pipeline import timing
 from ringtrain.strategies.pipeline.transport import Link
 from ringtrain.training import startup as startup_checks
 from ringtrain.training.run import RunIdentity
-from tf_models import checkpoints, stages, startup
+from tf_models import checkpoints, optimizers, stages, startup
 from tf_models.collectives import VERSIONS, average_statistics
 from tf_models.evaluation import make_weights_finite, parameters
 from tf_models.horovod_keras import allreduce_gradients, sparse_logits_loss
@@ -56,9 +58,15 @@ class KerasPipelineRun(pipeline.PipelineRun):
         # --seed; other replicas draw other weights on purpose, the broadcast makes them agree.
         # Only this rank's stage gets weights where the model allows (tf_models/stages.py).
         keras.utils.set_random_seed(args.seed + self.place.replica)
+        # --precision bf16: the stages' layers made under mixed_bfloat16 (bfloat16 compute,
+        # float32 weights, as the ring's; their cuts then carry bfloat16), the policy put back after.
+        precision = contextlib.ExitStack()
+        precision.enter_context(optimizers.policy(args))
+        # --partition time: rank 0 times the layers, every rank splits on its figures.
         split = startup_checks.every_rank(self.world, lambda: stages.build_split(
             args.model, self.data.info, args.dropout, self.place.stages, keep=self.place.stage,
-            fits=self.fits))
+            fits=self.fits, timing=timing.for_run(self.world, args, self.micro)))
+        precision.close()
         self.stage = split.models[self.keep(split.stages, split.cuts)]
         self.weights_built = split.built
         del split.models  # the other stages' layers go (when built whole)
@@ -67,7 +75,12 @@ class KerasPipelineRun(pipeline.PipelineRun):
         startup_checks.check_output_folders(self.world, args, self.identity.param_count)
 
         # Horovod: scale the learning rate with the replicas (R, the data-parallel width).
-        self.optimizer = keras.optimizers.SGD(learning_rate=self.target_lr, momentum=args.momentum)
+        # --optimizer by the ring's factory (the default SGD's call unchanged), applied once per
+        # step (micro_steps 1).  Without Keras' global_clipnorm: it would clip by this stage's
+        # norm alone; --clip-grad-norm is the whole model's norm, over the stages (end_step).
+        self.clip = args.clip_grad_norm
+        self.optimizer = optimizers.build(argparse.Namespace(**{**vars(args), "clip_grad_norm": None}),
+                                          self.target_lr, micro_steps=1)
         self.optimizer.build(self.stage.trainable_variables)  # slots exist: checkpoints, broadcast
         # Horovod: wrap the gradient step: the stage's summed micro-batch gradients are averaged
         # over its replicas (one grouped allreduce in its process set) before apply_gradients.
@@ -134,8 +147,18 @@ class KerasPipelineRun(pipeline.PipelineRun):
 
     def end_step(self) -> bool:
         grads = self.allreduce(self.grads)
+        if self.clip is not None:  # the global norm of the averaged gradients, over every stage
+            grads = [tf.convert_to_tensor(g) for g in grads]  # a sparse gradient's rows too
+            squares = float(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float64)))
+                                      for g in grads]))
+            scale = self.clip_scale(squares)
+            grads = [g * tf.cast(scale, g.dtype) for g in grads]  # always, as Keras' clip
         self.optimizer.apply_gradients(zip(grads, self.stage.trainable_variables, strict=True))
         return self.weights_finite()
+
+    def clip_factor(self, norm: float) -> float:
+        """Keras' ``clip_by_global_norm`` factor, the ring's (``global_clipnorm``), to the bit."""
+        return self.clip * min(1.0 / norm, 1.0 / self.clip) if norm else 1.0  # (Keras: 1/0 = inf)
 
     @property
     def recomputes(self) -> bool:
@@ -219,6 +242,8 @@ class Traced:
             self.backward = backward
 
         logits = tf.as_dtype(stage.outputs[0].dtype)
+        if logits == tf.bfloat16:  # --precision bf16: the loss is float32's (sparse_logits_loss)
+            logits = tf.float32
 
         @tf.function(input_signature=[x_spec, tf.TensorSpec([None], tf.int64),
                                       tf.TensorSpec([], logits)], jit_compile=False)

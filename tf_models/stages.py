@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import keras
 import numpy as np
+import tensorflow as tf
 from keras.src.backend.common import global_state
 from keras.src.initializers.random_initializers import RandomInitializer
 from keras.src.random import seed_generator
@@ -47,7 +48,8 @@ from keras.src.random import seed_generator
 from ringtrain import model_spec
 from ringtrain.errors import UserError
 from ringtrain.strategies.pipeline.engine import Boundary
-from ringtrain.strategies.pipeline.partition import Stage, stage_ranges
+from ringtrain.strategies.pipeline.partition import Stage, stage_ranges, timed_stages
+from ringtrain.strategies.pipeline.timing import SLACK, Timing, clock, median_seconds
 from tf_models.model import check, instantiate
 
 BY_STAGE = "built stage by stage"
@@ -94,30 +96,37 @@ def _chain(spec: str, model, shape, dtype: str) -> tuple[list[keras.layers.Layer
 
 
 def build_split(spec: str, dataset, dropout: float, stages: int, keep: int | None = None,
-                fits: Callable[[int, int, int], None] | None = None) -> Split:
+                fits: Callable[[int, int, int], None] | None = None,
+                timing: Timing | None = None) -> Split:
     """The ``--model spec`` for ``dataset``, checked as a whole (one call) and split; the
     weights of stage ``keep`` only (None: every stage's, as the tests compare them), built stage
     by stage where the model arrives unbuilt, else the whole model.  ``fits(stage, weight bytes,
     activation bytes per example)`` is called before stage ``keep``'s weights get values (it
-    raises when they cannot fit the rank: :mod:`ringtrain.strategies.pipeline.memory`)."""
+    raises when they cannot fit the rank: :mod:`ringtrain.strategies.pipeline.memory`).  With
+    ``timing`` (``--partition time``) the split balances the layers' timed seconds
+    (:func:`layer_seconds`, agreed between the ranks by ``timing.agree``) instead of their
+    parameter counts."""
     shape, dtype = tuple(dataset.input_shape), dataset.input_dtype
     before = _RandomState.take()
     built = instantiate(spec, dataset, dropout, allowed=(keras.Model, list, tuple),
                         wanted="keras.Model (or a list of stages)", built=False)
     layers, given = _chain(spec, built, shape, dtype)
     if any(layer.built and layer.weights for layer in layers):  # weights exist already
-        return _whole(spec, dataset, layers, given, stages, "the model arrived built")
+        return _whole(spec, dataset, layers, given, stages, "the model arrived built", timing)
     deferred = _deferred(spec, dataset, layers)
     if isinstance(deferred, str):
         before.restore()  # the same layers again, with the same seeds, built whole
         built = instantiate(spec, dataset, dropout, allowed=(keras.Model, list, tuple),
                             wanted="keras.Model (or a list of stages)")
         return _whole(spec, dataset, _chain(spec, built, shape, dtype)[0], given, stages,
-                      deferred)
+                      deferred, timing)
     outputs, variables = deferred
     counts = [layer.count_params() for layer in layers]
+    costs = None if timing is None or given else timing.agree(
+        lambda: layer_seconds(layers, outputs, shape, dtype, timing))
     # The split before any weight exists: more stages than layers with weights is one line here.
-    ranges = stage_ranges(counts, [math.prod(s) for s, _ in outputs], stages, given, spec)
+    ranges = stage_ranges(counts, [math.prod(s) for s, _ in outputs], stages, given, spec, costs,
+                          SLACK if costs else 0.0)
     wanted = range(stages) if keep is None else [keep]
     if fits is not None and keep is not None:
         mine = ranges[keep]
@@ -128,21 +137,26 @@ def build_split(spec: str, dataset, dropout: float, stages: int, keep: int | Non
         for i in ranges[index]:
             for v in variables[i]:
                 v._deferred_initialize()  # Keras' own first use of a deferred variable
-    return _assemble(layers, ranges, outputs, shape, dtype, wanted, BY_STAGE)
+    return _assemble(layers, ranges, outputs, shape, dtype, wanted, BY_STAGE, costs)
 
 
-def _whole(spec: str, dataset, layers, given: bool, stages: int, reason: str) -> Split:
+def _whole(spec: str, dataset, layers, given: bool, stages: int, reason: str,
+           timing: Timing | None = None) -> Split:
     """Every layer built whole, by one call of the chain; each stage a Sequential of them."""
     shape, dtype = tuple(dataset.input_shape), dataset.input_dtype
     whole = keras.Sequential([keras.Input(shape, dtype=dtype), *layers])
     check(spec, whole, shape, dataset.num_classes, dtype)
     outputs = _output_shapes(layers, shape, dtype)
     counts = [layer.count_params() for layer in layers]
-    ranges = stage_ranges(counts, [math.prod(s) for s, _ in outputs], stages, given, spec)
-    return _assemble(layers, ranges, outputs, shape, dtype, range(stages), built_whole(reason))
+    costs = None if timing is None or given else timing.agree(
+        lambda: layer_seconds(layers, outputs, shape, dtype, timing))
+    ranges = stage_ranges(counts, [math.prod(s) for s, _ in outputs], stages, given, spec, costs,
+                          SLACK if costs else 0.0)
+    return _assemble(layers, ranges, outputs, shape, dtype, range(stages), built_whole(reason),
+                     costs)
 
 
-def _assemble(layers, ranges, outputs, shape, dtype, wanted, built: str) -> Split:
+def _assemble(layers, ranges, outputs, shape, dtype, wanted, built: str, costs=None) -> Split:
     models, facts, cuts = [], [], []
     for index, r in enumerate(ranges):
         inp, in_dtype = (shape, dtype) if r.start == 0 else outputs[r.start - 1]
@@ -157,7 +171,8 @@ def _assemble(layers, ranges, outputs, shape, dtype, wanted, built: str) -> Spli
                            tuple(inp), tuple(out)))
         if index < len(ranges) - 1:
             cuts.append(Boundary(tuple(out), np.dtype(outputs[r.stop - 1][1])))
-    return Split(models, facts, cuts, sum(layer.count_params() for layer in layers), built)
+    return Split(models, timed_stages(facts, costs), cuts,
+                 sum(layer.count_params() for layer in layers), built)
 
 
 def _output_shapes(layers, shape, dtype: str) -> list[tuple[tuple[int, ...], str]]:
@@ -169,6 +184,62 @@ def _output_shapes(layers, shape, dtype: str) -> list[tuple[tuple[int, ...], str
         x = layer(x, training=False)
         out.append((tuple(x.shape[1:]), x.dtype.name if hasattr(x.dtype, "name") else str(x.dtype)))
     return out
+
+
+# --- --partition time ---------------------------------------------------------------------------
+
+def layer_seconds(layers, outputs, shape, dtype: str, timing: Timing) -> list[float]:
+    """Each layer's forward pass and its backward pass (a Keras stage's backward runs the forward
+    again under a tape: :class:`tf_models.pipeline.Traced`), each a traced function, on
+    ``timing.rows`` rows, timed alone.  The timed layer is a throwaway copy made from the layer's
+    config (``from_config(get_config())``) and built with values of its own, so the model's own
+    variables stay deferred (no value: no rank holds the whole model for this), and at most one
+    layer's copy exists at a time.  Making a copy draws seeds (an unseeded initializer or
+    Dropout draws from Python's generator) and layer names: the random state and name counters
+    the build depends on are put back afterwards (:class:`_RandomState`)."""
+    state = _RandomState.take()
+    rng = np.random.default_rng(0)  # private: the probe inputs
+    try:
+        costs = []
+        for i, layer in enumerate(layers):
+            inp = (tuple(shape), dtype) if i == 0 else outputs[i - 1]
+            costs.append(_time_layer(layer, inp, i > 0, timing, rng))
+        return costs
+    finally:
+        state.restore()
+
+
+def _time_layer(layer, inp, input_grad: bool, timing: Timing, rng) -> float:
+    """One layer's median forward + (forward + backward) seconds, on a copy of it."""
+    in_shape, in_dtype = inp
+    floating = np.dtype(in_dtype).kind == "f"
+    x = tf.constant(rng.standard_normal((timing.rows, *in_shape)).astype(in_dtype) if floating
+                    else np.zeros((timing.rows, *in_shape), in_dtype))  # token ids: row 0
+    alone = type(layer).from_config(layer.get_config())
+    alone(x, training=False)  # built eagerly: its variables made outside the traced functions
+    forward = tf.function(lambda v: alone(v, training=True))
+    watch = input_grad and floating
+    weights = alone.trainable_variables
+
+    @tf.function
+    def backward(v):
+        with tf.GradientTape() as tape:
+            if watch:
+                tape.watch(v)
+            out = alone(v, training=True)
+        return tape.gradient(out, [*([v] if watch else []), *weights],
+                             output_gradients=tf.ones_like(out))
+
+    trains = (watch or weights) and keras.backend.standardize_dtype(forward(x).dtype).startswith("float")
+
+    def once() -> float:
+        t0 = clock()
+        forward(x)
+        if trains:
+            backward(x)
+        return clock() - t0
+
+    return median_seconds(once, timing.repeats)
 
 
 # --- stage by stage ---------------------------------------------------------------------------------

@@ -27,13 +27,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ringtrain import optimizer_spec
 from ringtrain.optimizer_options import distributed_optimizer_options
 from ringtrain.strategies.pipeline import options as pipeline_options
 from ringtrain.strategies.pipeline import run as pipeline
+from ringtrain.strategies.pipeline import timing
+from ringtrain.strategies.pipeline.engine import BF16
 from ringtrain.strategies.pipeline.transport import Link
 from ringtrain.training import startup as startup_checks
 from ringtrain.training.run import RunIdentity
-from torch_models import checkpoints, stages, startup
+from torch_models import checkpoints, optimizers, stages, startup
 from torch_models.collectives import VERSIONS, average_buffers
 from torch_models.evaluation import parameters, weights_finite
 
@@ -42,6 +45,10 @@ class TorchPipelineRun(pipeline.PipelineRun):
     """One rank's stage of one replica."""
 
     checkpoints = checkpoints
+    # --precision fp32's compute, until __init__ reads the flag (a run assembled around a stage,
+    # as tests/test_pipeline_recompute.py makes, computes as the default)
+    bf16 = False
+    autocast = contextlib.nullcontext
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, k = args, args.backward_passes_per_step
@@ -58,9 +65,10 @@ class TorchPipelineRun(pipeline.PipelineRun):
         # --seed; other replicas draw other weights on purpose, the broadcast makes them agree.
         # Only this rank's stage gets weights where the model allows (torch_models/stages.py).
         torch.manual_seed(args.seed + self.place.replica)
+        # --partition time: rank 0 times the layers, every rank splits on its figures.
         split = startup_checks.every_rank(self.world, lambda: stages.build(
             args.model, self.data.info, args.dropout, self.place.stages, keep=self.place.stage,
-            fits=self.fits))
+            fits=self.fits, timing=timing.for_run(self.world, args, self.micro, self.device.type)))
         self.stage = split.modules[self.keep(split.stages, split.cuts)].to(self.device)
         self.weights_built = split.built
         del split.modules  # the other stages' weights go (when built whole)
@@ -69,23 +77,42 @@ class TorchPipelineRun(pipeline.PipelineRun):
         startup_checks.check_output_folders(self.world, args, self.identity.param_count)
 
         # Horovod: scale the learning rate with the replicas (R, the data-parallel width).
-        optimizer = torch.optim.SGD(self.stage.parameters(), lr=self.target_lr,
-                                    momentum=args.momentum)
+        # --optimizer over the stage's parameters, by the ring's factory (its checks, the same
+        # hyperparameters; the default SGD's call unchanged).  PyTorch's default kernels: the
+        # fused ones the ring takes on a GPU would make a pipeline on a GPU another arithmetic
+        # than its one-process reference.
+        optimizer = optimizers.build(args, self.stage, self.target_lr, fused=None)
         self.passes = args.microbatches * k
         # Horovod: wrap the optimizer: step() averages the stage's gradients over its replicas
         # (the stage's process set), each once its M x K micro-batches' backward passes are in.
-        self.optimizer = hvd.DistributedOptimizer(
+        self.optimizer = optimizers.wrap(args.optimizer, lambda: hvd.DistributedOptimizer(
             optimizer, named_parameters=self.stage.named_parameters(), process_set=self.stage_set,
-            **{**distributed_optimizer_options(args, hvd), "backward_passes_per_step": self.passes})
+            **{**distributed_optimizer_options(args, hvd), "backward_passes_per_step": self.passes}))
+        if not optimizer_spec.plain_sgd(args):  # its state exists before the resume, the broadcast
+            optimizers.make_state(self.optimizer, args.optimizer in optimizer_spec.BUILTIN)
+        self.clip, self.bf16 = args.clip_grad_norm, args.precision == "bf16"
+        # --precision bf16: bfloat16 compute, float32 weights and optimizer (as the ring)
+        self.autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16))
+                         if self.bf16 else contextlib.nullcontext)
         self.start_epoch = pipeline.resume_epoch(self.world, self.place, args, self.find, self.load)
         self.broadcast()
         self.loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
 
     def broadcast(self) -> None:
-        """The stage's weights and momentum (zeros before the first step: SGD's first update is
-        then the same, ``0 x momentum + gradient``) from its first replica, within its set."""
+        """The stage's weights and optimizer state from its first replica, within its set.  Plain
+        SGD: its momentum (zeros before the first step: SGD's first update is then the same,
+        ``0 x momentum + gradient``).  Any other optimizer: every tensor of its state (Adam's
+        moments and step count, RMSprop's square average...), which :func:`optimizers.make_state`
+        made as a fresh optimizer's, or the stage's checkpoint filled on the first replica.  A
+        user's optimizer that keeps Python numbers in its state keeps each replica's own (the same
+        on a fresh start)."""
         tensors = dict(self.stage.state_dict())
-        if self.args.momentum:
+        if not optimizer_spec.plain_sgd(self.args):
+            for name, p in self.stage.named_parameters():
+                for key, value in self.optimizer.state[p].items():
+                    if torch.is_tensor(value):
+                        tensors[f"optimizer.{key}.{name}"] = value
+        elif self.args.momentum:
             for name, p in self.stage.named_parameters():
                 state = self.optimizer.state[p]
                 if state.get("momentum_buffer") is None:
@@ -122,11 +149,11 @@ class TorchPipelineRun(pipeline.PipelineRun):
         if self.place.first:
             inp = self.inputs[m]
         else:
-            inp = torch.from_numpy(x).to(self.device).requires_grad_()
+            inp = from_wire(x).to(self.device).requires_grad_()
         again = self.args.checkpoint_activations
         with torch.no_grad() if again else contextlib.nullcontext():  # again: no graph kept
             state = rng_state(self.device) if again else None
-            out = self.stage(inp)
+            out = self.run_stage(inp)
             total = self.loss_of(m, out) if self.place.last else None
         if self.place.last:
             self.loss_total.add_(total.detach())
@@ -134,29 +161,60 @@ class TorchPipelineRun(pipeline.PipelineRun):
         # or, to compute it again, the random state the forward started from.
         self.saved[m] = (inp, state if again else total / self.rows_total if self.place.last
                          else out)
-        return None if self.place.last else out.detach().cpu().numpy()
+        return None if self.place.last else to_wire(out)
+
+    def run_stage(self, inp: torch.Tensor) -> torch.Tensor:
+        """The stage's layers on ``inp``; under ``--precision bf16`` in autocast, and an output
+        for the next stage in bfloat16 (the cut's dtype, :meth:`PipelineRun.keep`), whatever dtype
+        the stage's last op computes in under autocast (the cast is part of the graph: the
+        gradient that comes back in bfloat16 flows through it)."""
+        with self.autocast():
+            out = self.stage(inp)
+        if self.bf16 and not self.place.last and out.dtype == torch.float32:
+            out = out.to(torch.bfloat16)
+        return out
 
     def backward(self, m: int, grad):
         inp, kept = self.saved.pop(m)
-        grad = None if self.place.last else torch.from_numpy(grad).to(self.device)
+        grad = None if self.place.last else from_wire(grad).to(self.device)
         if not self.args.checkpoint_activations:
             kept.backward(grad)
         else:
             with buffers_kept(self.stage):  # the forward updated them; the recompute must not
-                out = recompute(self.stage, inp, kept)
+                out = recompute(self.run_stage, inp, kept)
                 (self.loss_of(m, out) / self.rows_total if self.place.last else out).backward(grad)
-        return None if self.place.first else inp.grad.cpu().numpy()
+        return None if self.place.first else to_wire(inp.grad)
 
     def loss_of(self, m: int, logits: torch.Tensor) -> torch.Tensor:
         """The last stage's micro-batch ``m``: its examples' summed loss (divided by the step's
         rows, the M micro-batches' gradients add up to the step's mean gradient; the stage set's
-        allreduce then averages the replicas)."""
-        return F.cross_entropy(logits, self.labels[m], reduction="sum")
+        allreduce then averages the replicas).  bfloat16 logits (8 bits of mantissa) would round
+        the loss: it is float32's, as on the ring."""
+        return F.cross_entropy(logits.float() if self.bf16 else logits, self.labels[m],
+                               reduction="sum")
 
     def end_step(self) -> bool:
-        self.optimizer.step()
+        if self.clip is None:
+            self.optimizer.step()
+        else:
+            # Horovod's recipe for work on averaged gradients: the stage's allreduce first, then
+            # the clip by the whole model's norm, then the step without a second allreduce.
+            self.optimizer.synchronize()
+            grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+            squares = sum(float(torch.linalg.vector_norm(g.detach(), 2.0)) ** 2 for g in grads)
+            scale = self.clip_scale(squares)
+            if scale < 1.0:
+                for g in grads:
+                    g.detach().mul_(scale)
+            with self.optimizer.skip_synchronize():
+                self.optimizer.step()
         self.step_loss = float(self.loss_total)
         return weights_finite(list(self.stage.parameters()))
+
+    def clip_factor(self, norm: float) -> float:
+        """``torch.nn.utils.clip_grad_norm_``'s factor, the ring's (its 1e-6 included, so that a
+        pipeline clips exactly as one process does)."""
+        return min(1.0, self.clip / (norm + 1e-6))
 
     # --- the epoch's end and the run's -------------------------------------------------------------
 
@@ -227,12 +285,28 @@ class _StageEval:
 
     def compute(self, x):
         if isinstance(x, np.ndarray):
-            x = torch.from_numpy(x).to(self.run.device)
-        return self.run.stage(x)
+            x = from_wire(x).to(self.run.device)
+        return self.run.run_stage(x)
 
     def __call__(self, x):
-        logits = self.relay(self.compute, x, len(x), lambda t: t.cpu().numpy())
+        logits = self.relay(self.compute, x, len(x), to_wire)
         if logits is None:
             return torch.zeros(len(x), self.run.data.info.num_classes, device=self.run.device)
-        return logits
+        return logits.float() if self.run.bf16 else logits
+
+
+def to_wire(t: torch.Tensor) -> np.ndarray:
+    """A tensor for the next (or previous) stage, as NumPy: bfloat16, which NumPy lacks, as
+    ``ml_dtypes``' bfloat16 over the same bytes (the cut's dtype; the transport sends its bits)."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BF16)
+    return t.numpy()
+
+
+def from_wire(x: np.ndarray) -> torch.Tensor:
+    """:func:`to_wire`'s inverse, without a copy."""
+    if x.dtype == BF16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
 

@@ -41,6 +41,7 @@ pipeline starts from the same weights as a data-parallel run, either way.
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -54,7 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ringtrain import model_spec
 from ringtrain.errors import UserError
 from ringtrain.strategies.pipeline.engine import Boundary
-from ringtrain.strategies.pipeline.partition import Stage, stage_ranges
+from ringtrain.strategies.pipeline.partition import Stage, stage_ranges, timed_stages
+from ringtrain.strategies.pipeline.timing import SLACK, Timing, clock, median_seconds
 from torch_models.model import BUILTIN, check, instantiate, model_shape
 
 BY_STAGE = "built stage by stage"
@@ -109,20 +111,26 @@ def _chain(spec: str, model) -> tuple[list[tuple[str, nn.Module]], bool]:
 
 
 def build(spec: str, dataset, dropout: float, stages: int, keep: int | None = None,
-          fits: Fits | None = None) -> Split:
+          fits: Fits | None = None, timing: Timing | None = None) -> Split:
     """The ``--model spec`` for ``dataset``, checked as a whole (one forward pass) and split;
     the weights of stage ``keep`` only (None: every stage's, as the tests compare them), built
     stage by stage where that is exact, else the whole model.  ``fits(stage, weight bytes,
     activation bytes per example)`` is called before stage ``keep``'s weights exist (it raises
-    when they cannot fit the rank: :mod:`ringtrain.strategies.pipeline.memory`)."""
+    when they cannot fit the rank: :mod:`ringtrain.strategies.pipeline.memory`).  With
+    ``timing`` (``--partition time``) the split balances the layers' timed seconds
+    (:func:`layer_seconds`, agreed between the ranks by ``timing.agree``) instead of their
+    parameter counts."""
     shape, dtype = model_shape(dataset), getattr(torch, dataset.input_dtype)
     before = _Generators.take()
     meta = _on_meta(spec, dataset, dropout, shape, dtype)
     if isinstance(meta, str):
         before.restore()  # the whole build draws from where the meta attempt started
-        return _whole(spec, dataset, dropout, stages, shape, dtype, meta)
+        return _whole(spec, dataset, dropout, stages, shape, dtype, meta, timing)
+    costs = None if timing is None or meta.given else timing.agree(
+        lambda: layer_seconds(meta.layers, meta.sizes, shape, dtype, timing))
     # The split before any weight exists: more stages than layers with weights is one line here.
-    ranges = stage_ranges(meta.counts, [_numel(s) for s in meta.sizes], stages, meta.given, spec)
+    ranges = stage_ranges(meta.counts, [_numel(s) for s in meta.sizes], stages, meta.given, spec,
+                          costs, SLACK if costs else 0.0)
     wanted = range(stages) if keep is None else [keep]
     if fits is not None and keep is not None:
         mine = ranges[keep]
@@ -132,10 +140,11 @@ def build(spec: str, dataset, dropout: float, stages: int, keep: int | None = No
     meta.materialise({i for s in wanted for i in ranges[s]})
     modules = [nn.Sequential(OrderedDict(meta.layers[i] for i in r)) if index in wanted else None
                for index, r in enumerate(ranges)]
-    return _assemble(meta.layers, ranges, modules, meta.sizes, shape, BY_STAGE)
+    return _assemble(meta.layers, ranges, modules, meta.sizes, shape, BY_STAGE, costs)
 
 
-def _whole(spec: str, dataset, dropout: float, stages: int, shape, dtype, reason: str) -> Split:
+def _whole(spec: str, dataset, dropout: float, stages: int, shape, dtype, reason: str,
+           timing: Timing | None = None) -> Split:
     """Every layer built and initialised by the builder itself, on every rank; each stage a
     Sequential of the model's own modules."""
     built = instantiate(spec, dataset, dropout, (nn.Module, list, tuple),
@@ -145,12 +154,15 @@ def _whole(spec: str, dataset, dropout: float, stages: int, shape, dtype, reason
     check(spec, whole, shape, dataset.num_classes, dtype)
     sizes = _output_shapes(whole, shape, dtype)
     counts = [_params(m)[0] for _, m in layers]
-    ranges = stage_ranges(counts, [_numel(s) for s in sizes], stages, given, spec)
+    costs = None if timing is None or given else timing.agree(
+        lambda: layer_seconds(layers, sizes, shape, dtype, timing))
+    ranges = stage_ranges(counts, [_numel(s) for s in sizes], stages, given, spec, costs,
+                          SLACK if costs else 0.0)
     modules = [nn.Sequential(OrderedDict(layers[i] for i in r)) for r in ranges]
-    return _assemble(layers, ranges, modules, sizes, shape, built_whole(reason))
+    return _assemble(layers, ranges, modules, sizes, shape, built_whole(reason), costs)
 
 
-def _assemble(layers, ranges, modules, sizes, shape, built: str) -> Split:
+def _assemble(layers, ranges, modules, sizes, shape, built: str, costs=None) -> Split:
     facts, cuts = [], []
     for index, r in enumerate(ranges):
         count, nbytes = _params(nn.Sequential(OrderedDict(layers[i] for i in r)))
@@ -160,7 +172,8 @@ def _assemble(layers, ranges, modules, sizes, shape, built: str) -> Split:
                            tuple(inp), tuple(out)))
         if index < len(ranges) - 1:
             cuts.append(Boundary(tuple(out), sizes[r.stop - 1][1]))
-    return Split(modules, facts, cuts, sum(_params(m)[0] for _, m in layers), built)
+    return Split(modules, timed_stages(facts, costs), cuts, sum(_params(m)[0] for _, m in layers),
+                 built)
 
 
 def _numel(shape_dtype) -> int:
@@ -186,6 +199,75 @@ def _output_shapes(chain: nn.Sequential, shape, dtype,
     finally:
         chain.train(was)
     return out
+
+
+# --- --partition time ---------------------------------------------------------------------------
+
+def layer_seconds(layers: list[tuple[str, nn.Module]], sizes, shape, dtype,
+                  timing: Timing) -> list[float]:
+    """Each layer's forward and backward pass on ``timing.rows`` rows on ``timing.device``, timed
+    alone: a copy of the layer (of the meta layer: given storage and small values from a private
+    generator; of a built one: its own values) is made, timed and dropped before the next, so at
+    most one layer is ever materialised for it.  Under ``torch.random.fork_rng`` (a Dropout's
+    mask draws from the device's generator), so the CPU generator the weight replay draws from
+    is where it was (checked)."""
+    rng = torch.Generator().manual_seed(0)  # private: the inputs and a meta layer's values
+    before = torch.get_rng_state()
+    device = torch.device(timing.device)
+    costs = []
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):
+        for i, (_, layer) in enumerate(layers):
+            inp = (tuple(shape), dtype) if i == 0 else (sizes[i - 1][0], _torch_dtype(sizes[i - 1][1]))
+            costs.append(_time_layer(layer, inp, i > 0, timing, rng, device))
+    if not torch.equal(before, torch.get_rng_state()):
+        raise RuntimeError("timing the layers moved the CPU random generator")
+    return costs
+
+
+def _torch_dtype(numpy_dtype) -> torch.dtype:
+    return torch.from_numpy(np.zeros(0, numpy_dtype)).dtype
+
+
+def _time_layer(layer: nn.Module, inp, input_grad: bool, timing: Timing,
+                rng: torch.Generator, device: torch.device) -> float:
+    """One layer's median forward (twice if recomputed) + backward seconds, on its own copy."""
+    alone = copy.deepcopy(layer)
+    if any(t.device.type == "meta" for t in [*alone.parameters(), *alone.buffers()]):
+        alone.to_empty(device=device)
+        with torch.no_grad():
+            for t in [*alone.parameters(), *alone.buffers()]:
+                if t.is_floating_point():
+                    # small values, a variance buffer positive: U(0.01, 0.05)
+                    t.copy_(torch.rand(t.shape, generator=rng, dtype=t.dtype) * 0.04 + 0.01)
+                else:
+                    t.zero_()
+    alone.to(device).train()
+    shape, dtype = inp
+    if dtype.is_floating_point:
+        x = torch.randn((timing.rows, *shape), generator=rng, dtype=dtype).to(device)
+    else:  # token ids: 0 is every table's row
+        x = torch.zeros((timing.rows, *shape), dtype=dtype, device=device)
+    grad_in = input_grad and dtype.is_floating_point
+    forwards = 2 if timing.recompute else 1
+    # A GPU runs operators asynchronously: the clock is read once the device is done.
+    done = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def once() -> float:
+        for p in alone.parameters():
+            p.grad = None
+        xi = x.detach().requires_grad_(grad_in)
+        done()
+        t0 = clock()
+        for _ in range(forwards - 1):
+            with torch.no_grad():
+                alone(xi)
+        out = alone(xi)
+        if out.requires_grad:
+            out.backward(torch.ones_like(out))
+        done()
+        return clock() - t0
+
+    return median_seconds(once, timing.repeats)  # the copy goes with this frame
 
 
 # --- stage by stage ---------------------------------------------------------------------------------

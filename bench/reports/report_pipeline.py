@@ -34,35 +34,55 @@ def section(res: dict) -> list[str]:
               "compare rows of this run with each other, not with other sections). PyTorch, "
               "`horovodrun -np 2`, `OMP_NUM_THREADS=1`; each figure from the trainer's own "
               "`--metrics-out` summary. See docs/pipeline.md.", ""]
-    lines += _schedules(data, width, depth, comparing)
+    lines += _schedules(data, width, depth, comparing, res)
     lines += _versus(data, comparing)
     lines += _memory(data)
+    lines += _largest(data, comparing)
+    lines += _stage_memory(data)
+    lines += _partition(data, comparing)
     lines += _link(data, comparing)
     return lines
 
 
-def _schedules(data: dict, width: int, depth: int, comparing: bool) -> list[str]:
+def _schedules(data: dict, width: int, depth: int, comparing: bool, res: dict) -> list[str]:
     cfg = data["config"]
-    rows = []
-    for r in data["schedules"]:
-        if not r["ok"]:
-            rows.append([r["schedule"], str(r["micro"]), "failed", "", "", pct(r["formula_bubble"]), ""])
+    cores = (res.get("machine") or data.get("machine") or {}).get("cores")
+    out = []
+    for stages in sorted({r.get("stages", 2) for r in data["schedules"]}):
+        rows = []
+        for r in (r for r in data["schedules"] if r.get("stages", 2) == stages):
+            if not r["ok"]:
+                rows.append([r["schedule"], str(r["micro"]), "failed", "", "",
+                             pct(r["formula_bubble"]), ""])
+                continue
+            rows.append([r["schedule"], str(r["micro"]), num(r["images_per_second"]),
+                         pct(r["measured_bubble"]), pct(r["replayed_bubble"]),
+                         pct(r["formula_bubble"]),
+                         " / ".join(f"{1e3 * b:.1f}" for b in r["busy_seconds"])])
+        header = ["schedule", "M", "images/s", "bubble measured", "replayed", "formula",
+                  "computing ms/step, stage " + " / ".join(str(i) for i in range(stages))]
+        if stages == 2:
+            out += [f"### Schedules: S = 2 stages, one replica, per-replica batch {cfg['batch']}, "
+                    f"{cfg['steps']} steps", "",
+                    f"An MLP of {depth} hidden layers of {width} ({data['mlp_params']:,} "
+                    "parameters, `bench.parts.model_parallel:mlp`): split by parameter count, its "
+                    "two stages also do about the same work, the case the formula describes. "
+                    "Bubble measured: 1 - (mean computing time of the stages) / (the longer "
+                    "stage's schedule), per step, the first step left out; replayed: the schedule "
+                    "run on this run's own stage times (backward = 2 x forward); formula: "
+                    "(S-1)/(M+S-1).", "", table(header, rows), ""]
             continue
-        rows.append([r["schedule"], str(r["micro"]), num(r["images_per_second"]),
-                     pct(r["measured_bubble"]), pct(r["replayed_bubble"]),
-                     pct(r["formula_bubble"]),
-                     " / ".join(f"{1e3 * b:.1f}" for b in r["busy_seconds"])])
-    return [f"### Schedules: S = 2 stages, one replica, per-replica batch {cfg['batch']}, "
-            f"{cfg['steps']} steps", "",
-            f"An MLP of {depth} hidden layers of {width} ({data['mlp_params']:,} parameters, "
-            "`bench.parts.model_parallel:mlp`): split by parameter count, its two stages also do about "
-            "the same "
-            "work, the case the formula describes. Bubble measured: 1 - (mean computing time of "
-            "the stages) / (the longer stage's schedule), per step, the first step left out; "
-            "replayed: the schedule run on this run's own stage times (backward = 2 x forward); "
-            "formula: (S-1)/(M+S-1).", "",
-            table(["schedule", "M", "images/s", "bubble measured", "replayed", "formula",
-                   "computing ms/step, stage 0 / 1"], rows), ""]
+        crowded = (f" The {stages} ranks share {cores} cores: a stage that waits polls for its "
+                   "message, taking time from the stages that compute, so the bubble measured "
+                   "here is an upper bound." if cores and stages > cores else "")
+        out += [f"### Schedules: S = {stages} stages, one replica (-np {stages}), per-replica "
+                f"batch {cfg['batch']}, {cfg['steps']} steps", "",
+                f"The same MLP in {stages} stages (split by parameter count: about equal, the "
+                "first and last hold the input layer and the logits beside hidden layers). "
+                "Measured, replayed and formula as for S = 2; the bubble's formula is "
+                f"(S-1)/(M+S-1) = {stages - 1}/(M+{stages - 1})." + crowded, "",
+                table(header, rows), ""]
+    return out
 
 
 def versus_ratios(data: dict, comparing: bool) -> list[tuple[dict, float | None]]:
@@ -138,3 +158,107 @@ def _link(data: dict, comparing: bool) -> list[str]:
             f"{link['rows'][0].get('steps', ['?', '?'])[1]} steps.", "",
             table(["run", "MB out of host a", "MB into host a", "formula MB each way",
                    "measured / formula"], rows), ""]
+
+
+def _outcome(p: dict) -> str:
+    if p["ok"]:
+        return "trained"
+    if p.get("refused_by_check"):
+        return "refused (the stage check)"
+    if p.get("allocation_failed"):
+        return "can't allocate memory"
+    return "a rank stopped answering (--stall-timeout)" if p.get("stalled") else "failed"
+
+
+def _largest(data: dict, comparing: bool) -> list[str]:
+    big = data.get("largest")
+    if not big:
+        return []
+    rows, probes = [], []
+    for c in big["cells"]:
+        target = c.get("target_params")
+        ratio = c.get("vs_first")
+        rows.append([f"S = {c['stages']}", str(c["np"]),
+                     str(c["largest_depth"]) if c["largest_depth"] else "none",
+                     f"{c['largest_params'] / 1e6:.1f}M" if c["largest_params"] else "-",
+                     str(c["smallest_failed_depth"] or "-"),
+                     f"{target / 1e6:.1f}M" if target else "-",
+                     f"{ratio:.2f}x" if ratio is not None and comparing else WITHHELD,
+                     ("yes" if c.get("meets_target") else "no") if target else "-"])
+        for p in c["probes"]:
+            probes.append(f"S = {c['stages']} depth {p['depth']} ({p['params'] / 1e6:.1f}M): "
+                          f"{_outcome(p)}"
+                          + (f", peak {max(p['peak_rss_mb'])} MB" if p.get("peak_rss_mb") else ""))
+    return ["### The largest model under one cap per rank", "",
+            f"MLPs of width {big['width']} and growing depth (`bench.parts.model_parallel:mlp`), "
+            f"each rank allowed {big['budget_mb']:.0f} MB beyond what PyTorch, Horovod and MPI "
+            "hold once imported (`bench/workers/memlimit.py`: `RLIMIT_DATA`), "
+            f"{big['steps']} steps of 32 rows, M = S, SGD with momentum (12 bytes a weight). "
+            "S = 1 is the ring on one rank; a few probes per S, each one launch (largest: the "
+            "deepest that trained; the search stops once the deepest that trained and the "
+            "shallowest that did not are within 5%). Target: 0.9 x S times S = 1's parameters.",
+            "", table(["stages", "-np", "largest depth", "parameters", "smallest depth that failed",
+                       "target", "vs S = 1", "meets target"], rows), "",
+            "Probes: " + "; ".join(probes) + ".", ""]
+
+
+def _stage_memory(data: dict) -> list[str]:
+    mem = data.get("stage_memory")
+    if not mem:
+        return []
+    by = {c["schedule"]: c for c in mem["cells"]}
+    stages = mem["stages"]
+    rows = []
+    for s in range(stages):
+        row = [str(s)]
+        for schedule in ("gpipe", "1f1b"):
+            c = by.get(schedule)
+            if not c or not c["ok"]:
+                row += ["failed", ""]
+                continue
+            st = next(x for x in c["stages"] if x["stage"] == s)
+            row += [f"{st['peak_activations_held']} / {st['in_flight_formula']}",
+                    _mb(st["peak_rss_bytes"])]
+        rows.append(row)
+    return ["### Peak memory per stage: GPipe against 1F1B", "",
+            f"The built-in CNN at S = {stages} (-np {stages}), M = {mem['micro']} micro-batches of "
+            f"{mem['microbatch_rows']} rows (batch {mem['batch']}), one replica. Held: the most "
+            "micro-batches whose activations the stage kept at once, measured by the trainer "
+            "(`peak_activations_held`), / the schedule's bound (GPipe: M; 1F1B: S - s). Peak "
+            "resident memory: each rank's `VmHWM` at exit (the imported frameworks included), "
+            "MB; the first stage's activations are the largest (the convolutions' outputs).", "",
+            table(["stage", "GPipe held / bound", "GPipe peak resident MB",
+                   "1F1B held / bound", "1F1B peak resident MB"], rows), ""]
+
+
+def _partition(data: dict, comparing: bool) -> list[str]:
+    part = data.get("partition")
+    if not part:
+        return []
+    base = next((c for c in part["cells"] if c["partition"] == "params" and c["ok"]), None)
+    rows = []
+    for c in part["cells"]:
+        if not c["ok"]:
+            rows.append([f"`--partition {c['partition']}`", "failed", "", "", "", "", "", ""])
+            continue
+        speed = (c["images_per_second"] / base["images_per_second"]
+                 if comparing and base and c is not base else None)
+        rows.append([f"`--partition {c['partition']}`",
+                     " / ".join(str(n) for n in c["layers"]),
+                     " / ".join(f"{n / 1e6:.2f}M" for n in c["params"]),
+                     num(c["images_per_second"]),
+                     " / ".join(f"{1e3 * b:.1f}" for b in c["busy_seconds"]),
+                     pct(c["slowest_share"]),
+                     " / ".join(pct(x) for x in c["timed_share"]) if c.get("timed_share") else "-",
+                     f"{speed:.2f}x" if speed is not None else ("-" if c is base else WITHHELD)])
+    return ["### Balancing the stages by time (`--partition time`)", "",
+            "`bench.parts.model_parallel:costly`: a Linear(784, 2048) holding most of the "
+            f"weights, then {part['convs'] + 1} convolutions of {part['channels']} channels on "
+            "32 x 32 holding few and doing most of the work; S = 2 at -np 2, "
+            f"M = {part['micro']}, batch {part['batch']}, {part['steps']} steps. Computing: each "
+            "stage's computing time per step measured by the trainer; the slowest stage's share "
+            "of the stages' sum (50% is even; a step waits for the slowest); timed: the shares "
+            "rank 0's timing of the layers predicted for the split it chose.", "",
+            table(["split", "layers per stage", "parameters per stage", "images/s",
+                   "computing ms/step, stage 0 / 1", "slowest stage's share", "timed shares",
+                   "images/s vs params"], rows), ""]

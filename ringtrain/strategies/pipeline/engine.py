@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import ml_dtypes
 import numpy as np
 
 from ringtrain.faults import watchdog
@@ -40,6 +41,11 @@ from ringtrain.strategies.pipeline.schedule import BACKWARD, FORWARD, Op
 ACTIVATION, GRADIENT, EVAL = 0, 1, 2
 KINDS = 4
 
+
+# --precision bf16's activations, as NumPy arrays (NumPy has no bfloat16 of its own): ml_dtypes'
+# bfloat16, the one TensorFlow's tensors already turn into; a cut of this dtype is checked as any
+# other, and the transport sends its bytes (transport.wire).
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 TAG_SPAN = 8192  # more than the receives ever posted at once (a window of S + 1)
 EVAL_WINDOW = 2  # test batches a stage may have sent and not yet seen taken
@@ -103,12 +109,14 @@ class Link(Protocol):  # ringtrain.strategies.pipeline.transport.Link, or a test
 class StepTime:
     """One step on this stage: its seconds, all of them (``wall``) and computing (``busy``); the
     most micro-batches whose activations it held at once (``held``), and the most sends it had
-    outstanding at once (``sends``)."""
+    outstanding at once (``sends``); the bytes it sent (``sent``: activations and gradients,
+    what ``--precision bf16`` halves)."""
 
     wall: float
     busy: float
     held: int = 0
     sends: int = 0
+    sent: int = 0
 
 
 class Receives:
@@ -155,7 +163,7 @@ def run_step(place: Placement, link: Link, work: StageWork, ops: Sequence[Op],
              BACKWARD: (grads, work.backward, place.previous if inbound is not None else None,
                         GRADIENT, inbound, "the input's gradients", place.stage - 1)}
     held = getattr(work, "held", None)
-    counted = most_held = most_sends = 0
+    counted = most_held = most_sends = sent = 0
     for kind, m in ops:
         incoming, compute, dest, kind_tag, cut, what, peer = lanes[kind]
         sends = link.release()  # the sends completed since the last op go now
@@ -168,9 +176,10 @@ def run_step(place: Placement, link: Link, work: StageWork, ops: Sequence[Op],
         if dest is not None:
             check_output(out, cut, rows[m], place, f"{what} of micro-batch {m}", dest, peer)
             sends = link.send(out, dest, tag(kind_tag, m))
+            sent += out.nbytes
         most_sends = max(most_sends, sends)
     link.finish_sends(f"stage {place.stage}'s messages")
-    return StepTime(time.perf_counter() - t0, busy, most_held, most_sends)
+    return StepTime(time.perf_counter() - t0, busy, most_held, most_sends, sent)
 
 
 class EvalRelay:

@@ -1,6 +1,6 @@
 """The pipeline's flags (``--pipeline-stages``, ``--microbatches``, ``--schedule``,
-``--checkpoint-activations``) and their checks; ``--pipeline-stages S`` with S > 1 chooses this
-strategy."""
+``--checkpoint-activations``, ``--partition``) and their checks; ``--pipeline-stages S`` with S > 1
+chooses this strategy."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import argparse
 from ringtrain.errors import UserError
 from ringtrain.strategies.pipeline.placement import check_world as check_stages_divide
 from ringtrain.strategies.pipeline.schedule import SCHEDULES
+
+PARTITIONS = ("params", "time")  # what balances the stages: ringtrain/strategies/pipeline/timing.py
 
 NAME = "pipeline"
 HELP = ("pipeline: the model split by layers into --pipeline-stages S stages (model "
@@ -38,6 +40,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "micro-batch's forward and backward, and computes the forward again in "
                         "the backward (less memory, about one more forward of compute; "
                         "PyTorch; Keras stages always do)")
+    g.add_argument("--partition", choices=PARTITIONS, default=None,
+                   help="with --pipeline-stages: balance the stages by parameter count (params, "
+                        "the default: memory) or by each layer's forward and backward time on a "
+                        "micro-batch, timed on rank 0 and broadcast (time: the slowest stage)")
 
 
 def implied(args: argparse.Namespace) -> bool:
@@ -49,7 +55,8 @@ def check_unused(args: argparse.Namespace) -> None:
     """Another strategy runs: the pipeline's flags must not be given (S = 1 is no pipeline)."""
     if args.pipeline_stages < 1:
         raise UserError(f"--pipeline-stages must be a positive integer, got {args.pipeline_stages}")
-    for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule)):
+    for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule),
+                        ("--partition", args.partition)):
         if value is not None:
             raise UserError(f"{flag} works with --pipeline-stages 2 or more; add it or drop "
                             f"{flag}")
@@ -89,6 +96,7 @@ def validate(args: argparse.Namespace) -> None:
     elif not hasattr(args, "microbatches_default"):
         args.microbatches_default = False
     args.schedule = args.schedule or "1f1b"
+    args.partition = args.partition or "params"
     if args.microbatches < 1:
         raise UserError(f"--microbatches must be a positive integer, got {args.microbatches}")
     if args.batch_size % args.microbatches:

@@ -26,6 +26,7 @@ stage of one replica.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -35,11 +36,12 @@ from typing import Any
 
 import numpy as np
 
-from ringtrain import runtime
+from ringtrain import optimizer_spec, runtime
 from ringtrain.errors import UserError, printable
+from ringtrain.output import checkpoint
 from ringtrain.output.progress import Loss
 from ringtrain.strategies.pipeline import memory, transport
-from ringtrain.strategies.pipeline.engine import Boundary, EvalRelay, run_step
+from ringtrain.strategies.pipeline.engine import BF16, Boundary, EvalRelay, run_step
 from ringtrain.strategies.pipeline.options import microbatches_note
 from ringtrain.strategies.pipeline.partition import Stage
 from ringtrain.strategies.pipeline.placement import Placement, check_world
@@ -150,6 +152,11 @@ class PipelineRun(FrameworkRun):
     def keep(self, stages: list[Stage], cuts: list[Boundary]) -> int:
         """The split's facts, the cuts around this rank's stage; returns the stage's index."""
         self.stages = stages
+        if self.args.precision == "bf16":
+            # --precision bf16: the activations and their gradients cross the cuts in bfloat16,
+            # half float32's bytes (the stages compute in it; a float64 cut stays what it is).
+            cuts = [Boundary(c.shape, BF16) if np.dtype(c.dtype) == np.float32 else c
+                    for c in cuts]
         self.inbound = cuts[self.place.stage - 1] if not self.place.first else None
         self.outbound = cuts[self.place.stage] if not self.place.last else None
         return self.place.stage
@@ -162,6 +169,7 @@ class PipelineRun(FrameworkRun):
         self.nonfinite = False
         self.times: list[tuple[float, float, float]] = []  # seconds of each step: all of it,
         #                                                   the schedule's, computing
+        self.sent: list[int] = []  # bytes of activations and gradients sent, each step
         self.peak_held = self.peak_sends = self.peak_eval = 0  # measured, over the run's steps
         self.memory_needs: memory.StageNeeds | None = None  # the per-rank formula, once known
         self.saved: dict[int, Any] = {}  # the framework's tensors kept per micro-batch
@@ -173,8 +181,8 @@ class PipelineRun(FrameworkRun):
         example), against this rank's limit; one line when it cannot fit."""
         args = self.args
         held = in_flight(stage_ops(args.schedule, self.place.stages, stage, args.microbatches))
-        self.memory_needs = memory.needs(stage, weight_bytes, getattr(args, "optimizer", "sgd"),
-                                         args.momentum, activation_bytes, self.micro, held)
+        self.memory_needs = memory.needs(stage, weight_bytes, optimizer_spec.state_slots(args),
+                                         activation_bytes, self.micro, held)
         memory.check_fits(self.memory_needs, memory.rank_limit(memory.local_size()),
                           self.place.stages)
 
@@ -223,6 +231,20 @@ class PipelineRun(FrameworkRun):
         """After the schedule: the optimizer step (the stage's allreduce inside); whether this
         stage's weights are still finite numbers."""
 
+    def clip_scale(self, squares: float) -> float:
+        """``--clip-grad-norm``: the factor every stage scales its averaged gradients by, from
+        this stage's sum of squared gradients (``squares``).  The model's global norm is over
+        every stage: one float64 allreduce over every rank (each rank sends its own stage's sum;
+        the replicas of a stage hold the same averaged gradients, so the total counts each stage
+        R times: divided by R).  Every rank of every stage calls it once per step, in the same
+        place (after its stage's allreduce, before its optimizer step), so the collectives match."""
+        total = self.link.allreduce_sum(np.array([squares]), "the gradients' global norm")
+        return self.clip_factor(math.sqrt(float(total[0]) / self.place.replicas))
+
+    @abstractmethod
+    def clip_factor(self, norm: float) -> float:
+        """The framework's own clipping factor for a global norm (its ring's formula)."""
+
     def batches(self, steps: Sequence[np.ndarray]) -> Iterator[tuple[int, Any]]:
         data = self.stage_batches(steps) if self.reads_data else None
         for indices in steps:
@@ -257,6 +279,7 @@ class PipelineRun(FrameworkRun):
         self.times.append((time.perf_counter() - t0, took.wall, took.busy))
         self.peak_held = max(self.peak_held, took.held)
         self.peak_sends = max(self.peak_sends, took.sends)
+        self.sent.append(took.sent)
         return float(total[1 + self.place.replica]) / rows_total, rows_total
 
     def take_loss_sum(self) -> float:
@@ -335,11 +358,22 @@ class PipelineRun(FrameworkRun):
                 # (1F1B: S - s; GPipe: M x K); the ranks' measured peaks are beside their times
                 "in_flight_formula": [in_flight(stage_ops(a.schedule, place.stages, s, micro))
                                       for s in range(place.stages)],
-                "split": [s.record() for s in self.stages]}
+                "split": [s.record() for s in self.stages],
+                # what balanced the stages (--partition) and, under time, each stage's share of
+                # the layers' timed seconds (rank 0's timing, the same on every rank); None under
+                # params, where nothing is timed
+                "partition": getattr(a, "partition", "params"),
+                "stage_time_share": (None if any(s.time_share is None for s in self.stages)
+                                     else [s.time_share for s in self.stages])}
 
     def check_loaded(self, meta: dict, where) -> None:
         """A stage's checkpoint must hold this stage's layers (the split depends on the model and
         S only, so this fails only if the model itself changed)."""
+        had = meta.get("optimizer", checkpoint.DEFAULT_OPTIMIZER)
+        if had != self.args.optimizer:  # its state fits another optimizer's, or would misfit
+            raise UserError(f"{where} holds the state of --optimizer {had}, this run has "
+                            f"--optimizer {self.args.optimizer}; resume with --optimizer {had}, "
+                            f"or use another --checkpoint-dir to start {self.args.optimizer} afresh")
         saved = meta["pipeline"]  # its shape checked by checkpoint.check_stage
         mine = self.stages[self.place.stage]
         if saved["params"] != mine.params or saved["layers"] != list(mine.layers):
@@ -356,8 +390,13 @@ class PipelineRun(FrameworkRun):
                 + microbatches_note(self.args)
                 + f"; ideal bubble (S-1)/(M+S-1) = {f['ideal_bubble']:.1%}"
                 + ("; forward recomputed in the backward" if f["checkpoint_activations"] else ""),
-                f"stage weights: {self.weights_built}",
-                *(s.line() for s in self.stages)]
+                f"stage weights: {self.weights_built}"
+                + ("; stages balanced by timed compute (--partition time: rank 0 timed each "
+                   "layer's forward and backward on a micro-batch)"
+                   if f["partition"] == "time" else ""),
+                *(s.line() for s in self.stages),
+                # each stage's own optimizer, clipped by the whole model's norm (when not the default)
+                *filter(None, [optimizer_spec.describe(self.args)])]
 
     def summary_fields(self) -> dict[str, Any]:
         """The pipeline's facts and each rank's measured steps, in mean seconds per step (the
@@ -368,7 +407,9 @@ class PipelineRun(FrameworkRun):
         schedule).  Per rank also what it held, measured over every training step: the most
         micro-batches whose activations it kept at once (``peak_activations_held``), the most
         sends not yet completed (``peak_send_buffers``), and the most test batches sent and not
-        yet taken during evaluation (``peak_eval_in_flight``)."""
+        yet taken during evaluation (``peak_eval_in_flight``), and the bytes of activations and
+        gradients it sent per training step (``sent_bytes_per_step``, mean over every step:
+        ``--precision bf16`` halves float32's)."""
         times = self.times[1:] or self.times
         mean = [sum(t[i] for t in times) / max(len(times), 1) for i in range(3)]
         ranks = self.world.gather({"rank": self.world.rank, "stage": self.place.stage,
@@ -377,7 +418,8 @@ class PipelineRun(FrameworkRun):
                                    "steps": len(times), "param_bytes": self.stage_param_bytes(),
                                    "peak_activations_held": self.peak_held,
                                    "peak_send_buffers": self.peak_sends,
-                                   "peak_eval_in_flight": self.peak_eval},
+                                   "peak_eval_in_flight": self.peak_eval,
+                                   "sent_bytes_per_step": sum(self.sent) / max(len(self.sent), 1)},
                                   "pipeline.measured")
         bubbles = []
         for r in range(self.place.replicas):

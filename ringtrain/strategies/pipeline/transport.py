@@ -60,6 +60,16 @@ def world_size() -> int:
     return mpi().COMM_WORLD.Get_size()
 
 
+def wire(array: np.ndarray) -> np.ndarray:
+    """What MPI sends or fills for ``array``: the array itself, or for a dtype MPI cannot name
+    (``ml_dtypes``' bfloat16 of ``--precision bf16``, which mpi4py refuses) a view of the same
+    bytes as unsigned integers of its width.  The receiver's check is unchanged: the byte count
+    of the whole buffer, whose shape and dtype are the boundary's."""
+    if array.dtype.kind == "V" or array.dtype.type.__module__.startswith("ml_dtypes"):
+        return array.view(f"u{array.dtype.itemsize}")
+    return array
+
+
 @dataclass
 class Incoming:
     """A posted receive: its buffer, filled once the request completes."""
@@ -85,8 +95,9 @@ class Link:
         return cls(mpi().COMM_WORLD.Dup(), rank, timeout)
 
     def post(self, shape: tuple[int, ...], dtype, source: int, tag: int, what: str) -> Incoming:
-        buffer = np.empty(shape, dtype)
-        return Incoming(buffer, self.comm.Irecv(buffer, source=source, tag=tag), source, what)
+        buffer = np.empty(shape, dtype)  # the boundary's dtype: what wait() returns and checks
+        return Incoming(buffer, self.comm.Irecv(wire(buffer), source=source, tag=tag), source,
+                        what)
 
     def wait(self, incoming: Incoming) -> np.ndarray:
         """The received array, once its request has completed with all of its buffer's bytes."""
@@ -115,7 +126,7 @@ class Link:
         outstanding now, this one included (the completed ones released first)."""
         self.release()
         array = np.ascontiguousarray(array)
-        self.sends.append((self.comm.Isend(array, dest=dest, tag=tag), array, dest))
+        self.sends.append((self.comm.Isend(wire(array), dest=dest, tag=tag), array, dest))
         return len(self.sends)
 
     def release(self) -> int:
