@@ -107,7 +107,9 @@ def add_trainer_args(parser: argparse.ArgumentParser,
                         "--host-discovery-script ...; see docs/fault-tolerance.md)")
     g.add_argument("--commit-every", type=int, default=20,
                    help="with --elastic: commit the training state every N steps; a lost worker "
-                        "costs at most N steps of redone work (default 20)")
+                        "costs at most N steps of redone work; with --strategy ps and "
+                        "--checkpoint-dir: each server snapshots its slice every N updates, so "
+                        "that --resume after a lost server loses at most N of them (default 20)")
     g.add_argument("--stall-timeout", type=float, default=120.0,
                    help="seconds without a finished step or collective (a frozen, dead, cut-off or "
                         "stuck rank) before the watchdog ends the job with one line naming the rank, "

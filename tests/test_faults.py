@@ -23,6 +23,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -593,8 +594,9 @@ PS_STRIKE = re.compile(r"epoch 2/4 \[[#.]*\] (\d+)/(\d+)")
 
 
 def ps_job(tmp_path: Path, jobs: list, np_: int, args: list[str],
-           launcher: str = "launch.horovodrun") -> tuple[Job, Path]:
-    """A parameter-server job of ``np_`` ranks on this host, once its first checkpoint exists:
+           launcher: str = "launch.horovodrun", strike: bool = True) -> tuple[Job, Path]:
+    """A parameter-server job of ``np_`` ranks on this host, once its first checkpoint exists
+    (``strike``: once a few steps of epoch 2 are trained; else as soon as it starts):
     through ringtrain's launcher as a user runs it (no extra flag: it passes mpirun what the
     servers need to outlive a worker), or plain ``horovodrun``."""
     module, ckpt, metrics = MODULES["torch"], tmp_path / "ckpt", tmp_path / "m.json"
@@ -605,7 +607,7 @@ def ps_job(tmp_path: Path, jobs: list, np_: int, args: list[str],
     job = Job(cmd, str(tmp_path), module)
     jobs.append(job)
     deadline, seen = time.monotonic() + 300, 0
-    while True:  # a few steps into epoch 2, well before its end
+    while strike:  # a few steps into epoch 2, well before its end
         lines = job.lines[seen:]
         seen += len(lines)
         if any((m := PS_STRIKE.search(ln)) and 3 <= int(m.group(1)) <= int(m.group(2)) // 2
@@ -706,21 +708,69 @@ def test_a_frozen_worker_is_dropped_and_leaves_when_it_wakes_up(staleness, launc
     assert_nothing_left(job)
 
 
+PS_COMMIT = 8  # --commit-every of the server cell: 12 snapshots per server and epoch
+
+
+def ps_marks(ckpt: Path) -> dict[int, tuple[int, int]]:
+    """Each server's update mark (docs/parameter-servers.md): its epoch and its updates in it."""
+    marks = {}
+    for path in ckpt.glob("ps-server*.updates"):
+        magic, epoch, updates = struct.unpack("<8sqq", path.read_bytes())
+        marks[int(path.name[len("ps-server"):].split("of")[0])] = (epoch, updates)
+    return marks
+
+
 @pytest.mark.parametrize("tier", cells(("full",)))
 def test_a_dead_server_ends_the_job_in_one_line(tier, tmp_path, jobs):
-    """Server rank 1 of 2 frozen (SIGSTOP), through ``python -m launch.horovodrun`` (so under
-    mpirun --enable-recovery, whose own status would be 0 or 1): server 0 hears its heartbeat
-    stop and ends the job in one line, its slice being gone; the launcher's status is 3, the
-    watchdog's, as without recovery."""
-    job, _ = ps_job(tmp_path, jobs, 4, ["--ps-servers", "2", "--staleness", "inf"])
-    job.rank(1).send_signal(signal.SIGSTOP)
+    """Server rank 1 of 2 killed (SIGKILL) in epoch 2, through ``python -m launch.horovodrun`` (so
+    under mpirun --enable-recovery, whose own status would be 0 or 1): server 0 hears its
+    heartbeat stop and ends the job in one line, its slice being gone; the launcher's status is
+    3, the watchdog's, as without recovery.  Then the same command with ``--resume``: every server
+    restarts from its newest snapshot of epoch 2 (one every --commit-every 8 updates), the epoch
+    goes on with the batches no snapshot held, and the job finishes having lost at most 8 updates
+    per server, as many as the servers' update marks show after their snapshots, every batch of
+    epochs 2-4 applied once by each server over both launches."""
+    args = ["--ps-servers", "2", "--staleness", "inf", "--commit-every", str(PS_COMMIT)]
+    job, metrics = ps_job(tmp_path, jobs, 4, args)
+    job.rank(1).send_signal(signal.SIGKILL)
     t0 = time.monotonic()
     rc, took = job.wait_exit(BOUND + 30)
-    record("frozen server/torch/launch.horovodrun/ps inf", f"exit {rc}", took,
+    record("killed server/torch/launch.horovodrun/ps inf", f"exit {rc}", took,
            job.first_error_after(t0))
     assert rc == 3 and took <= BOUND, (rc, took)
     assert_one_line(job, r"server rank 1 \(", "its part of the parameters is gone")
     assert_nothing_left(job)
+    ckpt = tmp_path / "ckpt"
+    marks = ps_marks(ckpt)
+    assert sorted(marks) == [0, 1] and all(m[0] == 2 for m in marks.values()), marks
+    held: dict[int, int] = {}  # each server's newest snapshot of epoch 2: its updates
+    for p in ckpt.glob("ps-server*-epoch0002-*.npz"):
+        s = int(p.name.split("of")[0][len("ps-server"):])
+        held[s] = max(held.get(s, 0), int(p.stem.split("-update")[1]))
+    resumed = Job(job.proc.args + ["--resume"], str(tmp_path), MODULES["torch"])
+    jobs.append(resumed)
+    t1 = time.monotonic()
+    rc, took = resumed.wait_exit(600)
+    out = resumed.output()
+    assert rc == 0 and not error_lines(out), out[-3000:]
+    summary = json.loads(metrics.read_text())
+    ps = summary["ps"]
+    since = [held.get(s, 0) for s in (0, 1)]
+    lost = [marks[s][1] - since[s] for s in (0, 1)]
+    record("killed server, resumed/torch/launch.horovodrun/ps inf",
+           f"exit {rc}, resumed from updates {since}, lost {lost}", time.monotonic() - t1)
+    print(f"MEASURED snapshots: {ps['snapshots_written']} written, {ps['snapshot_seconds']} s "
+          f"(mean, longest) per server")
+    assert summary["resumed_from_epoch"] == 1 and [e["epoch"] for e in summary["epochs"]] == [2, 3, 4]
+    assert ps["resumed_epoch"] == 2 and ps["resumed_from_update"] == since, ps
+    assert ps["updates_lost"] == lost and max(lost) <= PS_COMMIT and min(lost) >= 0, ps
+    assert ps["exactly_once"], ps
+    # 96 gradients per epoch (3072 samples, batches of 32): each server applied epochs 2-4 once,
+    # its snapshot's share of epoch 2 before the loss and the rest now
+    assert [sum(a) + n for a, n in zip(ps["applied"], since, strict=True)] == [3 * 96] * 2, ps
+    assert f"ps: resumed epoch 2 (--commit-every {PS_COMMIT}): server 0 from " in out, out[-3000:]
+    assert summary["final_test_accuracy"] > 0.5
+    assert_nothing_left(resumed)
 
 
 def test_a_survivors_finalize_that_waits_for_a_lost_rank_is_bounded(tmp_path):

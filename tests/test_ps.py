@@ -17,17 +17,24 @@ the job ends.
 from __future__ import annotations
 
 import dataclasses
+import os
+import pickle
 import random
+import struct
 import threading
 import time
+import zipfile
 from collections import defaultdict, deque
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 from fake_run import Problem, loss_and_grad
 
+from ringtrain.errors import UserError
 from ringtrain.strategies.ps import engine as ps
+from ringtrain.strategies.ps import snapshot
 
 TIMEOUT = 30.0
 
@@ -114,21 +121,31 @@ class Job:
                  silent: Callable[[], dict[int, float]] = dict,
                  on_dead: Callable[[int, float], bool] = lambda rank, quiet: False,
                  dies: dict[int, int] | None = None, deadline: float = TIMEOUT,
-                 live_lr: Callable[[int, int, int], float] | None = None) -> None:
+                 live_lr: Callable[[int, int, int], float] | None = None,
+                 snapshots: Path | None = None, every: int = 4, first_epoch: int = 1,
+                 stop_at: int | None = None, v0: np.ndarray | None = None) -> None:
         self.roles = ps.Roles(servers, servers + workers)
         self.cfg = ps.Config(self.roles, size, staleness, momentum, rule, steps, lr,
                              deadline=deadline, tick=0.02, live_lr=live_lr)
         self.net = Net()
         self.epochs, self.grad, self.delay = epochs, grad, delay
+        self.first_epoch = first_epoch
         self.w0 = np.zeros(size, np.float32) if w0 is None else w0.astype(np.float32)
+        # snapshots: each server's Store in that folder (its update mark started), every N updates
+        self.stores = [snapshot.Store(snapshots, layout(self.cfg, s), every)
+                       for s in range(servers)] if snapshots is not None else [None] * servers
         self.servers = [ps.Server(self.cfg, self.net.link(s), s, self.w0[self.cfg.slice(s)],
-                                  silent=silent, on_dead=on_dead) for s in range(servers)]
+                                  None if v0 is None else v0[self.cfg.slice(s)].copy(),
+                                  silent=silent, on_dead=on_dead, store=self.stores[s])
+                        for s in range(servers)]
         self.workers = [ps.Worker(self.cfg, self.net.link(self.roles.worker_rank(w)), w)
                         for w in range(workers)]
         self.trained: list[tuple] = []  # every batch a gradient was computed on
         self.trained_by: list[int] = []  # ... and by which worker
         self.lock = threading.Lock()
         self.dies = dies or {}  # worker -> its gradients before it dies (stops, silently)
+        self.stop_at = stop_at  # every worker stops once the job has computed this many gradients
+        self.ends: dict[tuple[int, int], tuple[np.ndarray, np.ndarray | None]] = {}  # (rank, epoch)
         self.gone = {w: threading.Event() for w in range(workers)}
         self.verdicts: dict[int, list[int]] = {}
         self.full: dict[int, np.ndarray] = {}
@@ -136,12 +153,14 @@ class Job:
 
     def _serve(self, s: int) -> None:
         server = self.servers[s]
-        for epoch in range(1, self.epochs + 1):
+        for epoch in range(self.first_epoch, self.epochs + 1):
             server.serve_epoch(epoch)
             self.verdicts[s] = server.verdict()
             full = np.empty(self.cfg.size, np.float32)
             server.exchange(full, None)
             self.full[s] = full
+            v = server.velocity
+            self.ends[(s, epoch)] = (full.copy(), None if v is None else v.copy())
 
     def _work(self, w: int) -> None:
         worker, rank = self.workers[w], self.roles.worker_rank(w)
@@ -154,12 +173,14 @@ class Job:
                 raise Died
             self.delay(w)
             with self.lock:
+                if self.stop_at is not None and len(self.trained) >= self.stop_at:
+                    raise Died
                 self.trained.append(key)
                 self.trained_by.append(w)
             return self.grad(self.weights, key).astype(np.float32), 0.5
 
         try:
-            for epoch in range(1, self.epochs + 1):
+            for epoch in range(self.first_epoch, self.epochs + 1):
                 own = (batch_key(epoch, w, t) for t in range(self.cfg.steps))
                 worker.work_epoch(epoch, own, lambda o, t, e=epoch: batch_key(e, o, t),
                                   lambda weights: setattr(self, "weights", weights.copy()),
@@ -170,6 +191,9 @@ class Job:
             self.gone[w].set()
 
     def run(self) -> Job:
+        for store in self.stores:
+            if store is not None:
+                store.start()
         threads = {}
         for s in range(self.roles.servers):
             threads[s] = threading.Thread(target=self._guard, args=(s, self._serve, s), daemon=True)
@@ -327,8 +351,12 @@ def test_a_free_worker_takes_the_epochs_tail_from_a_blocked_one():
     job.run().check()
     assert sorted(job.trained) == [(1, o, t) for o in range(workers) for t in range(steps)]
     assert [(w.books.own, w.books.taken) for w in job.workers][2] == (1, 0)
-    assert sum(w.books.taken for w in job.workers) == steps - 1
-    assert job.servers[0].books.stolen == steps - 1
+    by = dict(zip(job.trained, job.trained_by, strict=True))
+    assert {by[(1, 2, t)] for t in range(1, steps)} <= {0, 1}  # its tail went to the free ones
+    # ... and, where one of them was scheduled late enough (a loaded machine), some of the other's
+    # too: the books count every batch handed to another worker
+    taken = sum(w.books.taken for w in job.workers)
+    assert taken >= steps - 1 and job.servers[0].books.stolen == taken
 
 
 # --- the staleness bound, message by message --------------------------------------------------------
@@ -971,3 +999,394 @@ def test_a_servers_momentum_slice_of_the_wrong_length_ends_the_job_in_one_line(m
     assert says in one_line_naming(Ended(line), "server rank 0"), line
     assert line.startswith("server rank 1 refused a message from server rank 0: its momentum slice")
     assert "10 values, the length of this server's slice" in line
+
+
+# --- snapshots and --resume ---------------------------------------------------------------------
+
+def layout(cfg: ps.Config, index: int, **changes) -> snapshot.Layout:
+    """A test job's snapshot layout: the run's (ParameterServerRun._store), for the fake model."""
+    fields = dict(framework="fake", model="softmax-v1", param_count=cfg.size, size=cfg.size,
+                  server=index, servers=cfg.roles.servers, rule=cfg.rule,
+                  state=ps.state_names(cfg.momentum),
+                  batches={"workers": cfg.roles.workers, "steps": cfg.steps, "rows": 4, "seed": 42,
+                           "shuffle": True, "train_size": 96})
+    fields.update(changes)
+    return snapshot.Layout(**fields)
+
+
+def npz_names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".npz"))
+
+
+def test_each_server_snapshots_its_slice_every_n_updates_and_keeps_the_newest(tmp_path):
+    """2 servers, 3 workers x 8 batches, staleness inf, --commit-every 5: each server wrote a
+    snapshot after updates 5, 10, 15 and 20 of both epochs (8), each replacing the one before
+    (its newest alone is left, no temporary file); that one holds exactly the server's slice after
+    its 20th update of epoch 2: w0 minus 1/16 of every gradient of epoch 1 and of the 20 batches
+    its ``done`` names (integer gradients: exact, whatever order they came in); its update mark
+    says 24 updates of epoch 2."""
+    workers, steps, size = 3, 8, 10
+    grad = counted_grad(size)
+    job = Job(2, workers, None, size=size, steps=steps, epochs=2, lr=lambda e, t: 3 / 16,
+              grad=grad, snapshots=tmp_path, every=5, delay=lambda w: time.sleep(0.001))
+    job.run().check()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "a temporary file is left"
+    assert npz_names(tmp_path) == [f"{job.stores[s].layout.stem()}-epoch0002-update000020.npz"
+                                   for s in (0, 1)]
+    assert job.stores[0].layout.stem() == "ps-server0of2-values0to5"
+    for s, (server, store) in enumerate(zip(job.servers, job.stores, strict=True)):
+        assert server.books.snapshots == 8 and server.books.snapshot_max_seconds > 0
+        snap = store.newest(2)
+        assert (snap.epoch, snap.updates, int(snap.done.sum())) == (2, 20, 20)
+        want = np.zeros(size, np.float32)
+        for key in [(1, o, t) for o in range(workers) for t in range(steps)] + \
+                [(2, o, t) for o, t in zip(*np.nonzero(snap.done), strict=True)]:
+            want -= grad(want, key) / np.float32(16)
+        assert np.array_equal(snap.weights, want[job.cfg.slice(s)]) and snap.state == {}
+        assert store.read_mark() == (2, 24)
+
+
+def test_a_snapshot_that_cannot_be_written_leaves_the_last_one_whole(tmp_path, monkeypatch, capsys):
+    """The write is a temporary file renamed over the name once complete: a failure at the rename
+    (a full disk would fail earlier, the same way) leaves the previous snapshot whole and no
+    temporary file, says so in one warning line, once, and training goes on (None)."""
+    cfg = ps.Config(ps.Roles(1, 3), 6, None, 0.9, "torch", 4, lambda e, t: 0.1)
+    store = snapshot.Store(tmp_path, layout(cfg, 0), 4)
+    w, v, done = np.arange(6, dtype=np.float32), np.ones(6, np.float32), np.zeros((2, 4), bool)
+    assert store.write(1, 4, w, {"velocity": v}, done) is not None
+
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    assert store.write(1, 8, w + 1, {"velocity": v}, done) is None
+    assert store.write(1, 12, w + 2, {"velocity": v}, done) is None
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["ps-server0of1-values0to6-epoch0001-update000004.npz"]
+    snap = store.newest(1)
+    assert snap.updates == 4 and np.array_equal(snap.weights, w)
+    assert np.array_equal(snap.state["velocity"], v)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: server rank 0 could not write its "
+                                                   "snapshot ps-server0of1-values0to6-epoch0001-"
+                                                   "update000008.npz (No space left on device)")
+
+
+def resume_from_snapshots(job: Job, epoch: int) -> tuple[list, list]:
+    """What ParameterServerRun._open_snapshots does, for a job of threads: each server's newest
+    snapshot of ``epoch`` and its last session's mark, the batches every server holds; every
+    server resumed.  Returns (snapshots, marks)."""
+    snaps = [store.newest(epoch) for store in job.stores]
+    marks = [store.read_mark() for store in job.stores]
+    masks, everyone = snapshot.held([None if x is None else x.done for x in snaps],
+                                    job.roles.workers, job.cfg.steps)
+    for s, server in enumerate(job.servers):
+        snap = snaps[s]
+        server.resume(epoch, snap.updates if snap else 0, masks[s], everyone,
+                      snap.weights if snap else None, snap.state if snap else None)
+    return snaps, marks
+
+
+@pytest.mark.parametrize("staleness,servers,lacking", [
+    (0, 2, False), (4, 1, False), (None, 2, False), (None, 2, True)])
+def test_a_job_resumed_from_its_servers_snapshots_ends_as_if_never_stopped(tmp_path, staleness,
+                                                                          servers, lacking):
+    """3 workers x 8 batches, 2 epochs.  The job stops for good once 10 gradients of epoch 2 are
+    computed (every rank: the servers time out), its servers having written a snapshot every
+    --commit-every updates; a new job resumes epoch 2 from the epoch-1 weights (the checkpoint)
+    and each server's newest snapshot, and ends with the weights of a job that never stopped:
+    bit for bit at staleness 0 (the ring's math, momentum 0.9, gradients of the weights: the
+    snapshot's weights and momentum are exactly the step's) and, at K > 0, the order-free sum of
+    every batch applied once by every server (integer gradients).  The resumed job trains exactly
+    the batches no snapshot held, each once; each server lost the updates after its snapshot,
+    counted from its update mark: at most --commit-every.  ``lacking``: server 1's snapshot is
+    gone, so it restarts the epoch from the checkpoint while server 0 keeps its 8 updates: the
+    batches server 0 holds are trained again and server 0 receives them without applying them."""
+    workers, steps, epochs, every = 3, 8, 2, 2 if staleness == 0 else 4
+    if staleness == 0:
+        problem = Problem(n_train=96)
+        grad, momentum = softmax_grad(problem, 4, workers), 0.9
+        size = (problem.features + 1) * problem.classes
+        w0 = np.random.default_rng(3).normal(0, 0.1, size).astype(np.float32)
+        lr = lambda e, t: 0.05 + 0.01 * t  # noqa: E731
+    else:
+        size, momentum, w0 = 10, 0.0, None
+        grad, lr = counted_grad(10), lambda e, t: 3 / 16
+    same = dict(size=size, steps=steps, epochs=epochs, momentum=momentum, lr=lr, grad=grad)
+    whole = Job(servers, workers, staleness, w0=w0, **same).run().check()
+    stopped = Job(servers, workers, staleness, w0=w0, snapshots=tmp_path, every=every,
+                  stop_at=workers * steps + 10, deadline=3.0, **same).run()
+    assert all(isinstance(stopped.errors.get(s), ps.PeerSilent) for s in range(servers))
+    at_loss = [server.epoch_updates for server in stopped.servers]
+    assert at_loss == ([3] * servers if staleness == 0 else [10] * servers)
+    if lacking:
+        for p in tmp_path.glob("ps-server1of2-*.npz"):
+            p.unlink()
+    weights = stopped.ends[(0, 1)][0]  # the epoch-1 checkpoint: weights and momentum
+    v0 = (np.concatenate([stopped.ends[(s, 1)][1] for s in range(servers)]) if momentum else None)
+    resumed = Job(servers, workers, staleness, w0=weights, v0=v0, snapshots=tmp_path, every=every,
+                  first_epoch=2, **same)
+    snaps, marks = resume_from_snapshots(resumed, 2)
+    resumed.run().check()
+    for full in resumed.full.values():
+        assert np.array_equal(full, whole.full[0])
+    since = [snap.updates if snap else 0 for snap in snaps]
+    assert since == ([2] * servers if staleness == 0 else [8, 0] if lacking else [8] * servers)
+    lost = [snapshot.lost_updates(mark, 2, n) for mark, n in zip(marks, since, strict=True)]
+    assert lost == [u - n for u, n in zip(at_loss, since, strict=True)]
+    assert lacking or max(lost) <= every
+    everyone = snapshot.held([None if x is None else x.done for x in snaps], workers, steps)[1]
+    left = [(2, o, t) for o in range(workers) for t in range(steps) if not everyone[o, t]]
+    assert sorted(resumed.trained) == left  # each batch no snapshot held, once
+    pushed = [w.books.pushed for w in resumed.workers]
+    for s, server in enumerate(resumed.servers):
+        books = server.books
+        assert [a + k for a, k in zip(books.applied, books.skipped, strict=True)] == \
+            books.received == pushed
+        assert server.epoch_updates == (steps if staleness == 0 else workers * steps)
+        if staleness != 0:  # one update per gradient: each batch applied once over both jobs
+            assert sum(books.applied) + since[s] == workers * steps
+            assert sum(books.skipped) == since[s] - int(everyone.sum())
+
+
+def a_snapshot(folder: Path, lay: snapshot.Layout, epoch: int = 2, updates: int = 4,
+               weights: np.ndarray | None = None) -> Path:
+    n = lay.hi - lay.lo
+    state = {name: np.ones(n, np.float32) for name in lay.state}
+    w = np.arange(n, dtype=np.float32) if weights is None else weights
+    assert snapshot.Store(folder, lay, 4).write(epoch, updates, w, state,
+                                                np.zeros((lay.workers, lay.steps), bool))
+    return folder / lay.file_name(epoch, updates)
+
+
+def one_line(err: BaseException, *needles: str) -> str:
+    line = str(err)
+    assert "\n" not in line, line
+    for needle in needles:
+        assert needle in line, line
+    return line
+
+
+CFG = ps.Config(ps.Roles(1, 3), 10, 4, 0.9, "torch", 4, lambda e, t: 0.1)
+
+
+@pytest.mark.parametrize("theirs,says", [
+    (dict(servers=2), ["holds values 0..4 of server 0 of 2", "this job has 1 server(s) over 10 "
+                       "values (server 0: 0..9)", "resume with --ps-servers 2"]),
+    (dict(servers=2, server=1), ["holds values 5..9 of server 1 of 2"]),
+    (dict(model="other-v1"), ['written with model "other-v1", this job has "softmax-v1"']),
+    (dict(framework="tf", rule="keras"), ['written with framework "tf", this job has "fake"']),
+    (dict(state=()), ['written with state [], this job has ["velocity"]']),
+    (dict(batches={"workers": 3, "steps": 4, "rows": 4, "seed": 42, "shuffle": True,
+                   "train_size": 96}), ['written with batches {"workers": 3']),
+])
+def test_a_snapshot_of_another_layout_is_one_line_naming_both(tmp_path, theirs, says):
+    """A snapshot of the resumed epoch written by another layout (server count and slices, model,
+    framework, optimizer state, the epoch's batches) is refused in one line naming the file, its
+    layout and this job's, and how to resume (its layout, or without the snapshots)."""
+    path = a_snapshot(tmp_path, layout(CFG, 0, **theirs))
+    with pytest.raises(UserError) as err:
+        snapshot.Store(tmp_path, layout(CFG, 0), 4).newest(2)
+    one_line(err.value, f"snapshot {path}", *says)
+    assert "remove the ps-server*.npz files from" in str(err.value)
+    assert snapshot.Store(tmp_path, layout(CFG, 0), 4).newest(3) is None  # another epoch's: unused
+
+
+class Planted:
+    """Unpickling it would create ``marker``: proof that a file was never unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def damage(how: str, path: Path, tmp_path: Path) -> None:
+    data = path.read_bytes()
+    marker = tmp_path / "ran"
+    if how == "truncated":
+        path.write_bytes(data[:len(data) // 2])
+    elif how == "bit flip":  # one bit of the weights' values: the archive is whole, its CRC fails
+        with zipfile.ZipFile(path) as z:
+            info = z.getinfo("weights.npy")
+        local = struct.unpack("<26xHH", data[info.header_offset:info.header_offset + 30])
+        i = info.header_offset + 30 + sum(local) + info.file_size - 4  # its last value
+        path.write_bytes(data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:])
+    elif how == "symlink":
+        target = tmp_path / "elsewhere.npz"
+        path.rename(target)
+        path.symlink_to(target)
+    elif how == "pickle":
+        path.write_bytes(pickle.dumps({"weights": Planted(marker)}))
+    elif how == "object array":
+        with open(path, "wb") as fh:
+            np.savez(fh, meta=np.array("{}"), weights=np.array([Planted(marker)], dtype=object),
+                     done=np.zeros(1, bool), **{"state.velocity": np.ones(10, np.float32)})
+    elif how == "renamed":
+        path.rename(path.with_name(path.name.replace("update000004", "update000008")))
+    elif how == "not finite":
+        lay = layout(CFG, 0)
+        a_snapshot(tmp_path, lay, weights=np.full(10, np.nan, np.float32))
+
+
+@pytest.mark.parametrize("how,says", [
+    ("truncated", "is damaged (not a complete checkpoint archive"),
+    ("bit flip", "is damaged (member weights.npy fails its CRC check)"),
+    ("symlink", "is a symbolic link (resume follows none)"),
+    ("pickle", "is a bare Python pickle, not a checkpoint archive: refused without loading it"),
+    ("object array", "cannot be read without running code"),
+    ("renamed", "says it holds epoch 2 after 4 updates, its name epoch 2 after 8"),
+    ("not finite", "holds weights that are not finite numbers (weights has NaN"),
+])
+def test_a_damaged_or_planted_snapshot_is_one_line_and_never_unpickled(tmp_path, how, says):
+    path = a_snapshot(tmp_path, layout(CFG, 0))
+    damage(how, path, tmp_path)
+    with pytest.raises(UserError) as err:
+        snapshot.Store(tmp_path, layout(CFG, 0), 4).newest(2)
+    one_line(err.value, says, "ps-server0of1-values0to10-epoch0002-update00000")
+    assert not (tmp_path / "ran").exists(), "the file was unpickled"
+
+
+def test_an_update_mark_counts_only_what_it_can_prove(tmp_path):
+    """The mark is rewritten in place (its file made by this session, renamed over the name);
+    ``lost_updates``: the mark's updates of the resumed epoch after the snapshot's; 0 where the
+    mark ended in an earlier epoch (the checkpoint holds it); None where no intact mark is there
+    or it is behind the snapshot or past the epoch.  A symlink under its name is not followed."""
+    store = snapshot.Store(tmp_path, layout(CFG, 0), 4)
+    assert store.read_mark() is None
+    store.start()
+    store.mark(3, 17)
+    assert store.read_mark() == (3, 17)
+    assert [snapshot.lost_updates(store.read_mark(), 3, n) for n in (0, 16, 17, 18)] == \
+        [17, 1, 0, None]
+    assert snapshot.lost_updates((2, 40), 3, 0) == 0 and snapshot.lost_updates((4, 1), 3, 0) is None
+    store.mark_path.write_bytes(b"short")
+    assert store.read_mark() is None
+    secret = tmp_path / "secret"
+    secret.write_bytes(store.mark_path.read_bytes())
+    store.mark_path.unlink()
+    store.mark_path.symlink_to(secret)
+    assert store.read_mark() is None
+    store.start()  # replaces the link itself, never writes through it
+    assert not store.mark_path.is_symlink() and secret.read_bytes() == b"short"
+
+
+def test_a_resumed_epoch_hands_out_only_the_batches_no_server_holds_each_once():
+    """Server 0's book of a resumed epoch: worker 0 holds its first 3, worker 1 its first and
+    last, worker 2 all of its own; whoever asks gets every batch not held, each once (worker 2
+    takes the others' tails), and none held."""
+    done = np.zeros((3, 6), bool)
+    done[0, :3] = done[1, [0, 5]] = done[2, :] = True
+    book = ps.Assigner(3, 6)
+    book.resume(done)
+    assert [book.left(w) for w in range(3)] == [3, 4, 0]
+    got, w = [], 0
+    while (batch := book.take(w % 3)) is not None or book.handed:
+        if batch is not None:
+            got.append(batch)
+        book.done(w % 3)
+        w += 1
+    assert sorted(got) == [(o, t) for o in range(3) for t in range(6) if not done[o, t]]
+    assert book.stolen >= 2  # worker 2 trained others' batches
+
+
+def test_the_summary_counts_the_resumed_snapshots_and_the_updates_lost():
+    from ringtrain.strategies.ps.run import report_lines, summary_record
+
+    cfg = ps.Config(ps.Roles(2, 4), 6, None, 0.0, "torch", 10, lambda e, t: 0.1)
+    resumed = [{"epoch": 2, "from_update": 8, "updates_lost": 2, "snapshot": "a.npz",
+                "batches_done": 0}, {"epoch": 2, "from_update": 0, "updates_lost": None,
+                                     "snapshot": None, "batches_done": 0}]
+    books = [{"server": s, **ps.ServerBooks(applied=[10, 6], received=[10, 10], skipped=[0, 4 - 4 * s],
+                                            seconds=2.0, epoch_seconds=[1.0], snapshots=3,
+                                            snapshot_seconds=0.03, snapshot_max_seconds=0.02,
+                                            snapshot_every=4, resumed=resumed[s]).record()}
+             for s in (0, 1)]
+    books[1]["applied"] = [10, 10]
+    books += [{"worker": w, **ps.WorkerBooks(pushed=10, seconds=2.0).record()} for w in (0, 1)]
+    record = summary_record(books, cfg, 10, [])
+    assert record["exactly_once"] and record["skipped"] == [4, 0]
+    assert (record["resumed_epoch"], record["resumed_from_update"], record["updates_lost"]) == \
+        (2, [8, 0], [2, None])
+    assert record["snapshots_written"] == [3, 3] and record["snapshot_seconds"][0] == [0.01, 0.02]
+    lines = report_lines(record)
+    assert "16, 20 applied by the servers and 4, 0 already in their snapshots" in lines[0]
+    assert lines[-1] == ("ps: resumed epoch 2 (--commit-every 4): server 0 from update 8, 2 "
+                         "update(s) after it lost; server 1 from the epoch's start (no snapshot), "
+                         "updates lost unknown (no intact record of its last one); 0 batches every "
+                         "server held were not trained again")
+    books[0]["skipped"] = [0, 0]
+    assert not summary_record(books, cfg, 10, [])["exactly_once"]
+
+
+def test_the_runs_snapshots_fresh_run_clears_them_resume_takes_them_a_bad_one_ends_every_rank(
+        tmp_path):
+    """ParameterServerRun._open_snapshots, rank by rank around one allgather (faked): a fresh run's
+    server 1 removes its own snapshots and server 0 every one and every mark in the folder
+    (another run's must never be resumed as this one's), nothing else; under --resume a server
+    resumes its own newest snapshot of the epoch and counts the updates its mark shows after it;
+    a server whose snapshot is refused puts the line into the allgather (so no rank waits for it)
+    and raises it, and so does every other rank that reads it there."""
+    from types import SimpleNamespace
+
+    from ringtrain.strategies.ps import run as ps_run
+
+    stub = type("Stub", (ps_run.ParameterServerRun,), {"momentum_rule": "torch"})
+    stub.__abstractmethods__ = frozenset()
+    fixed = SimpleNamespace(start_epoch=1, steps=4, n_train=96)
+
+    def a_run(rank: int, resume: bool, others: list | None = None):
+        run = object.__new__(stub)
+        run.args = SimpleNamespace(checkpoint_dir=str(tmp_path), resume=resume, commit_every=4,
+                                   batch_size=4, backward_passes_per_step=1, seed=42,
+                                   no_shuffle=False, momentum=0.9)
+        run.identity = SimpleNamespace(framework="fake", model_name="softmax-v1", param_count=10)
+        run.size, run._rank, run._roles = 10, rank, ps.Roles(2, 4)
+        run.sent = []
+
+        def gather(obj, name):
+            run.sent.append(obj)
+            return [obj if r == rank else (others or {}).get(r, {"problem": None, "done": None})
+                    for r in range(4)]
+
+        run.world = SimpleNamespace(gather=gather)
+        cfg = ps.Config(run._roles, 10, 4, 0.9, "torch", 4, lambda e, t: 0.1)
+        run.server = ps.Server(cfg, Net().link(rank), rank, np.zeros(cfg.length(rank), np.float32)) \
+            if rank < 2 else None
+        return run, (run._store(fixed) if rank < 2 else None)
+
+    run, store = a_run(1, resume=False)  # server 1 clears its own (its host's folder may be its own)
+    mine, theirs = a_snapshot(tmp_path, store.layout), a_snapshot(tmp_path, layout(CFG, 0))
+    run._open_snapshots(fixed, store)
+    assert not mine.exists() and theirs.exists()
+    assert sorted(os.listdir(tmp_path)) == [theirs.name, "ps-server1of2-values5to10.updates"]
+    run, store = a_run(0, resume=False)
+    old = a_snapshot(tmp_path, store.layout)
+    (tmp_path / "ckpt-epoch0001.pt").write_bytes(b"kept")
+    run._open_snapshots(fixed, store)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-epoch0001.pt", "ps-server0of2-values0to5.updates"]
+    assert run.sent == [{"problem": None, "done": None}]
+    assert not old.exists()
+    # --resume: server 0 from its snapshot of epoch 2 after 4 updates, its mark at 7
+    path = a_snapshot(tmp_path, store.layout, weights=np.full(5, 3.0, np.float32))
+    store.start()
+    store.mark(2, 7)
+    run, store = a_run(0, resume=True)
+    run._open_snapshots(fixed, store)
+    assert np.array_equal(run.server.weights, np.full(5, 3.0, np.float32))
+    assert np.array_equal(run.server.velocity, np.ones(5, np.float32))
+    assert run.server.books.resumed == {"epoch": 2, "from_update": 4, "updates_lost": 3,
+                                        "snapshot": path.name, "batches_done": 0}
+    # server 1's snapshot is refused: its line, on it and on every rank that reads it
+    run, store = a_run(1, resume=True)
+    bad = a_snapshot(tmp_path, store.layout)
+    bad.write_bytes(bad.read_bytes()[:100])
+    with pytest.raises(UserError) as err:
+        run._open_snapshots(fixed, store)
+    line = one_line(err.value, f"snapshot {bad} is damaged")
+    assert run.sent == [{"problem": line, "done": None}]
+    worker, _ = a_run(3, resume=True, others={1: {"problem": line, "done": None}})
+    with pytest.raises(UserError) as err:
+        worker._open_snapshots(fixed, None)
+    assert str(err.value) == line

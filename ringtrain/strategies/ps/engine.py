@@ -50,6 +50,13 @@ The LR follows the workers still training (:meth:`Config.lr_for`).  A dropped wo
 back (it was frozen, not dead) gets a :data:`DROPPED` notice in answer to anything it sends, or
 at once where it waits for a reply, and leaves (:class:`Dropped`); nothing it sends is used.
 
+A server with a snapshot store (``ringtrain.strategies.ps.snapshot``) writes its slice, its
+optimizer state (:meth:`SliceSGD.state`) and the batches of the epoch they hold every
+``--commit-every`` updates.  An epoch resumed from snapshots (:meth:`Server.resume`) goes on
+with the batches not every server holds: server 0 hands out only those (:meth:`Assigner.resume`),
+and a server whose snapshot holds one receives its gradient without applying it again, so each
+server applies every batch of the epoch once over both runs.
+
 Every message is one float32 array: an 8-value header (:data:`HEADER`, read as int32 through a
 view, the step's loss as float32) and, for pushes and replies, the slice.  Nothing is pickled.
 The transport (:class:`Link`) is MPI point to point in a job (``ringtrain.strategies.ps.transport``) and
@@ -215,6 +222,24 @@ class SliceSGD:
             self.v -= self.tmp
             self.w += self.v
 
+    def state(self) -> dict[str, np.ndarray]:
+        """The optimizer's state for the slice, as named float32 arrays of its length (what a
+        snapshot holds: another optimizer's moments would be more names, not another format)."""
+        return {} if self.v is None else {"velocity": self.v}
+
+    def load_state(self, arrays: dict[str, np.ndarray]) -> None:
+        """Copy ``arrays`` (:meth:`state`'s names and lengths, checked by the caller) in."""
+        mine = self.state()
+        if set(arrays) != set(mine):
+            raise ValueError(f"optimizer state {sorted(arrays)}, expected {sorted(mine)}")
+        for name, array in arrays.items():
+            mine[name][:] = array
+
+
+def state_names(momentum: float) -> tuple[str, ...]:
+    """The names of :meth:`SliceSGD.state`'s arrays for a ``momentum`` (none without)."""
+    return ("velocity",) if momentum else ()
+
 
 # --- who trains which batch (server 0) -----------------------------------------------------------
 
@@ -231,9 +256,29 @@ class Assigner:
         self.handed: dict[int, tuple[int, int]] = {}  # worker -> the batch it trains (no gradient yet)
         self.returned: list[tuple[int, int]] = []  # handed to a worker that died before its gradient
         self.stolen = 0
+        self.already: np.ndarray | None = None  # a resumed epoch: batches never to hand out again
+
+    def resume(self, done: np.ndarray) -> None:
+        """The epoch resumes from the servers' snapshots: ``done`` (bool, workers x steps) holds
+        the batches every server has applied already, which are skipped wherever they are met
+        (every worker's range is trimmed to start and end on a batch still to train)."""
+        self.already = np.asarray(done, bool)
+        for w in range(self.workers):
+            self._trim(w)
+
+    def _trim(self, w: int) -> None:
+        if self.already is None:
+            return
+        while self.next[w] < self.end[w] and self.already[w, self.next[w]]:
+            self.next[w] += 1
+        while self.end[w] > self.next[w] and self.already[w, self.end[w] - 1]:
+            self.end[w] -= 1
 
     def left(self, w: int) -> int:
-        return self.end[w] - self.next[w]
+        n = self.end[w] - self.next[w]
+        if self.already is not None and n > 0:  # a resumed epoch: done batches inside the range
+            n -= int(self.already[w, self.next[w]:self.end[w]].sum())
+        return n
 
     def take(self, w: int) -> tuple[int, int] | None:
         """The batch worker ``w`` trains next: one a dead worker was computing (the first given
@@ -249,14 +294,18 @@ class Assigner:
             self.stolen += 1
             return self.returned.pop(0)
         if self.next[w] < self.end[w]:
+            t = self.next[w]
             self.next[w] += 1
-            return w, self.next[w] - 1
+            self._trim(w)
+            return w, t
         victim = max(range(self.workers), key=lambda v: (self.left(v), -v))
         if self.left(victim) <= 0:
             return None
         self.end[victim] -= 1
+        t = self.end[victim]
+        self._trim(victim)
         self.stolen += 1
-        return victim, self.end[victim]
+        return victim, t
 
     def busy(self, w: int) -> bool:
         """Whether a worker other than ``w`` trains a batch it was handed: if it dies, that batch
@@ -295,6 +344,17 @@ class ServerBooks:
     # server 0: each worker it went on without: rank, epoch, updates applied by then, seconds
     # into training, seconds of silence
     lost: list[dict[str, Any]] = field(default_factory=list)
+    # per worker: gradients received of batches this server's snapshot held already (a resumed
+    # epoch), not applied again
+    skipped: list[int] = field(default_factory=list)
+    snapshots: int = 0  # snapshots written, their seconds in all and the longest
+    snapshot_seconds: float = 0.0
+    snapshot_max_seconds: float = 0.0
+    snapshot_every: int | None = None  # --commit-every, where this server writes snapshots
+    # a resumed epoch: epoch, from_update (its snapshot's updates of the epoch; 0: the epoch's
+    # start), updates_lost (None: unknown), snapshot (its name), batches_done (server 0: those
+    # every server held)
+    resumed: dict[str, Any] | None = None
 
     def record(self) -> dict[str, Any]:
         return {"applied": list(self.applied), "received": list(self.received),
@@ -303,7 +363,12 @@ class ServerBooks:
                 "seconds": self.seconds, "epoch_updates": list(self.epoch_updates),
                 "epoch_bytes": [list(b) for b in self.epoch_bytes],
                 "epoch_seconds": list(self.epoch_seconds), "stolen": self.stolen,
-                "lost": [dict(x) for x in self.lost]}
+                "lost": [dict(x) for x in self.lost],
+                "skipped": list(self.skipped) or [0] * len(self.applied),
+                "snapshots": self.snapshots, "snapshot_seconds": self.snapshot_seconds,
+                "snapshot_max_seconds": self.snapshot_max_seconds,
+                "snapshot_every": self.snapshot_every,
+                "resumed": dict(self.resumed) if self.resumed is not None else None}
 
 
 @dataclass
@@ -374,6 +439,12 @@ class Server:
     the job (:class:`PeerSilent`).  A silent server always ends it: its slice is gone.  ``progress()``
     marks the rank alive for its watchdog after each update; ``on_step(epoch, updates, loss)``
     (server 0) reports each update to the progress bar.
+
+    ``store`` (a :class:`ringtrain.strategies.ps.snapshot.Store`, or None) takes a snapshot of the
+    slice and the optimizer state every ``store.every`` updates of an epoch, and the count of the
+    epoch's updates after each one.  :meth:`resume` starts an epoch from a snapshot: the batches
+    it holds are not applied again (:meth:`_already`), and server 0 hands out only those that some
+    server still lacks.
     """
 
     def __init__(self, cfg: Config, link: Link, index: int, weights: np.ndarray,
@@ -381,13 +452,22 @@ class Server:
                  silent: Callable[[], dict[int, float]] = dict,
                  on_dead: Callable[[int, float], bool] = lambda rank, quiet: False,
                  progress: Callable[[], None] = lambda: None,
-                 on_step: Callable[[int, int, float], None] = lambda epoch, step, loss: None) -> None:
+                 on_step: Callable[[int, int, float], None] = lambda epoch, step, loss: None,
+                 store: Any = None) -> None:
         self.cfg, self.link, self.index = cfg, link, index
         n, roles = cfg.length(index), cfg.roles
         self.opt = SliceSGD(np.array(weights, dtype=np.float32), cfg.momentum, cfg.rule, velocity)
         self.silent, self.on_dead, self.progress, self.on_step = silent, on_dead, progress, on_step
         w = roles.workers
-        self.books = ServerBooks(applied=[0] * w, received=[0] * w)
+        self.books = ServerBooks(applied=[0] * w, received=[0] * w, skipped=[0] * w,
+                                 snapshot_every=store.every if store is not None else None)
+        self.store = store
+        self.done = np.zeros((w, cfg.steps), bool)  # the epoch's batches this slice holds
+        self.restored: np.ndarray | None = None  # a resumed epoch: those its snapshot held
+        self.resume_at: tuple[int, int, np.ndarray, np.ndarray] | None = None
+        self.epoch_updates = 0  # updates of this epoch (a resumed one: its snapshot's included)
+        self.since_snapshot = 0
+        self.snapshot_due = False
         self.inbox = [np.zeros(HEADER + n, np.float32) for _ in range(w)]
         self.outbox = [np.zeros(HEADER + n, np.float32) for _ in range(w)]
         self.sending: list[Any] = [None] * w  # a reply's send, waited for before its buffer is reused
@@ -412,6 +492,17 @@ class Server:
     @property
     def velocity(self) -> np.ndarray | None:
         return self.opt.v
+
+    def resume(self, epoch: int, updates: int, mine: np.ndarray, everyone: np.ndarray,
+               weights: np.ndarray | None = None, state: dict[str, np.ndarray] | None = None) -> None:
+        """Before ``epoch`` begins: the slice and the optimizer state of this server's snapshot
+        (``weights``, ``state``; None: no snapshot, the slice stays the checkpoint's), taken after
+        ``updates`` updates of the epoch holding the batches ``mine`` (bool, workers x steps);
+        ``everyone``: the batches every server holds, which server 0 does not hand out again."""
+        if weights is not None:
+            self.opt.w[:] = weights
+            self.opt.load_state(state or {})
+        self.resume_at = (epoch, updates, np.array(mine, bool), np.array(everyone, bool))
 
     def _post(self, w: int) -> None:
         self.recvs[w] = self.link.irecv(self.cfg.roles.worker_rank(w), TAG_UP, self.inbox[w])
@@ -438,6 +529,7 @@ class Server:
             if got is not None:
                 last_message = now
                 self.handle(*got)
+            self.commit_if_due()  # a drop (K = 0) may have completed the step
         for w in sorted(self.finals - self.dead):  # not waited for: a worker may die after its FINAL
             self._reply(w, None)
         books.epoch_seconds.append(time.monotonic() - t0)
@@ -459,6 +551,18 @@ class Server:
         if self.assigner is not None:
             self.assigner.new_epoch()
         self.epoch = epoch
+        self.done[:] = False
+        self.restored, self.epoch_updates, self.since_snapshot = None, 0, 0
+        self.snapshot_due = False
+        if self.resume_at is not None and self.resume_at[0] == epoch:
+            _, self.epoch_updates, mine, everyone = self.resume_at
+            self.done[:] = mine
+            self.restored = mine
+            if self.assigner is not None:
+                self.assigner.resume(everyone)
+        self.resume_at = None
+        if self.store is not None:
+            self.store.mark(epoch, self.epoch_updates)
         self.clock = dict.fromkeys(live, 0)  # gradients applied this epoch, per worker still at it
         self.pending: dict[int, int] = {}  # worker -> the clock its reply waits for
         self.finals: set[int] = set()
@@ -484,6 +588,7 @@ class Server:
         else:
             self._receive(i, count)
         self._answer()
+        self.commit_if_due()  # after the replies: the workers compute while it writes
 
     def _check_dead(self, count: int) -> int:
         """Server 0's word that a worker is dead: its worker index, once checked."""
@@ -564,8 +669,17 @@ class Server:
                 self.held[w] = (int(h[OWNER]), int(h[T]), int(h[VERSION]))
                 self._step_if_complete()
             else:
-                self._apply_one(w, clock)
+                if self._already(int(h[OWNER]), int(h[T])):
+                    self.books.skipped[w] += 1  # its snapshot holds it: applied before the loss
+                    self.clock[w] = clock
+                else:
+                    self._apply_one(w, clock)
                 self._post(w)
+
+    def _already(self, owner: int, t: int) -> bool:
+        """Whether batch ``(owner, t)`` of a resumed epoch is in this server's snapshot: another
+        server lacked it, so it was trained again, and here it is received, not applied."""
+        return self.restored is not None and bool(self.restored[owner, t])
 
     def _apply_one(self, w: int, clock: int) -> None:
         """K > 0: this gradient alone, at LR / N, N the workers still training (the LR too is
@@ -578,6 +692,7 @@ class Server:
         self.opt.apply(buf[HEADER:], cfg.lr_for(self.epoch, t, n) / n)
         self.books.updates += 1
         self.books.applied[w] += 1
+        self.done[int(h[OWNER]), t] = True
         self.clock[w] = clock
         self._after_update(t, loss_of(buf))
 
@@ -589,8 +704,22 @@ class Server:
     def _apply_step(self) -> None:
         """K = 0: the mean of the step's gradients, summed in worker order, one update at the LR
         for that many workers (all of them, but in the step that lost one: its gradient, if it
-        arrived, is still averaged in)."""
-        workers = sorted(self.held)
+        arrived, is still averaged in).  In a resumed epoch, gradients of batches this server's
+        snapshot holds are left out; a step of only those is no update here."""
+        held = sorted(self.held)
+        workers = [w for w in held if not self._already(*self.held[w][:2])]
+        for w in held:
+            if w in workers:
+                self.books.applied[w] += 1
+            else:
+                self.books.skipped[w] += 1
+            if w not in self.dead:  # a dead one's receive is its tomb, already posted
+                self.clock[w] += 1
+        if not workers:
+            self.held = {}
+            self._repost(held)
+            self.progress()
+            return
         t = self.held[workers[0]][1]
         self.sum[:] = self.inbox[workers[0]][HEADER:]
         for w in workers[1:]:
@@ -598,24 +727,47 @@ class Server:
         self.sum /= np.float32(len(workers))
         for w in workers:
             self.books.staleness[self.books.updates - self.held[w][2]] += 1
+            self.done[self.held[w][0], self.held[w][1]] = True
         self.opt.apply(self.sum, self.cfg.lr_for(self.epoch, t, len(workers)))
         self.books.updates += 1
         loss = float(np.mean([loss_of(self.inbox[w]) for w in workers]))
-        for w in workers:
-            self.books.applied[w] += 1
-            if w not in self.dead:  # a dead one's receive is its tomb, already posted
-                self.clock[w] += 1
-                self._post(w)
         self.held = {}
+        self._repost(held)  # after the sum: a receive posted writes into its inbox buffer
         self._after_update(t, loss)
 
+    def _repost(self, workers: list[int]) -> None:
+        for w in workers:
+            if w not in self.dead:
+                self._post(w)
+
     def _after_update(self, t: int, loss: float) -> None:
+        self.epoch_updates += 1
+        if self.store is not None:
+            self.store.mark(self.epoch, self.epoch_updates)
+            self.since_snapshot += 1
+            self.snapshot_due = self.since_snapshot >= self.store.every
         self.progress()
         # 25 us per update for half the CNN's parameters here (a float64 sum took 92 us)
         if self.diverged is None and not np.isfinite(self.opt.w).all():
             self.diverged = (self.epoch, t + 1, loss)
         if self.index == 0:
             self.on_step(self.epoch, self.books.updates, loss)
+
+    def commit_if_due(self) -> None:
+        """The snapshot, once ``store.every`` updates of the epoch have been applied since the
+        last (never of weights that stopped being finite: the run stops at that step)."""
+        if not self.snapshot_due:
+            return
+        self.snapshot_due, self.since_snapshot = False, 0
+        if self.diverged is not None:
+            return
+        seconds = self.store.write(self.epoch, self.epoch_updates, self.opt.w, self.opt.state(),
+                                   self.done)
+        if seconds is not None:
+            books = self.books
+            books.snapshots += 1
+            books.snapshot_seconds += seconds
+            books.snapshot_max_seconds = max(books.snapshot_max_seconds, seconds)
 
     def _ready(self, w: int, clock: int) -> bool:
         if self.diverged is not None:

@@ -26,7 +26,10 @@ when one dies, so the job ends now, in one line saying so): the servers drop it 
 its batches go to the others, the LR follows the workers left, and the summary names it.  A
 dropped worker that comes back (it was frozen) is told so and leaves with a warning line.  A
 server that dies takes its slice with it: one line.  Server 0 itself dead: the workers' watchdogs
-name it.
+name it.  With a ``--checkpoint-dir`` each server snapshots its slice every ``--commit-every``
+updates (:mod:`ringtrain.strategies.ps.snapshot`), and ``--resume`` restarts every server from
+its newest snapshot of the epoch the checkpoint resumes, at most ``--commit-every`` of its
+updates lost (:meth:`ParameterServerRun._open_snapshots`).
 """
 
 from __future__ import annotations
@@ -40,10 +43,13 @@ from typing import Any
 
 import numpy as np
 
+from ringtrain.errors import UserError
 from ringtrain.faults import watchdog
 from ringtrain.lr import lr_at, scaled_lr
+from ringtrain.output import files
 from ringtrain.strategies.ps import engine as ps
 from ringtrain.strategies.ps import options as flags
+from ringtrain.strategies.ps import snapshot
 from ringtrain.strategies.ps import transport as ps_mpi
 from ringtrain.training.fixed_loop import FixedLoop
 from ringtrain.training.run import FrameworkRun
@@ -242,14 +248,17 @@ class ParameterServerRun(FrameworkRun):
         cfg = self.config(fixed)
         self.cfg, self.fixed = cfg, fixed
         self.epoch_marks: list[dict[str, Any]] = []
+        store = self._store(fixed) if self.serves and self.args.checkpoint_dir else None
         if self.serves:
             self.server = ps.Server(cfg, self.link, self._rank, self.get_flat()[cfg.slice(self._rank)],
                                     self.velocity0, silent=self._silent, on_dead=self._on_dead,
                                     progress=lambda: watchdog.progress(step=True),
-                                    on_step=self._on_step)
+                                    on_step=self._on_step, store=store)
         else:
             self.worker = ps.Worker(cfg, self.link, self.roles.worker_index(self._rank),
                                     progress=lambda: watchdog.progress(step=True))
+        if self.args.checkpoint_dir:
+            self._open_snapshots(fixed, store)
         for epoch in fixed.epochs():
             t0 = time.perf_counter()
             self.images = 0
@@ -267,6 +276,71 @@ class ParameterServerRun(FrameworkRun):
                             seconds=time.perf_counter() - t0, lr=self.lr_now(epoch, fixed.steps - 1))
             self._report_epoch(epoch)
         self._report_run()
+
+    # --- snapshots ------------------------------------------------------------------------------
+
+    def _store(self, fixed: FixedLoop) -> snapshot.Store:
+        """This server's snapshots: its layout (the model, its slice, the optimizer's state, the
+        epoch's batches as this job cuts them) in --checkpoint-dir, every --commit-every updates."""
+        a, ident = self.args, self.identity
+        batches = {"workers": self.roles.workers, "steps": fixed.steps,
+                   "rows": a.batch_size * a.backward_passes_per_step, "seed": a.seed,
+                   "shuffle": not a.no_shuffle, "train_size": fixed.n_train}
+        layout = snapshot.Layout(ident.framework, ident.model_name, ident.param_count, self.size,
+                                 self._rank, self.roles.servers, self.momentum_rule,
+                                 ps.state_names(a.momentum), batches)
+        return snapshot.Store(a.checkpoint_dir, layout, a.commit_every)
+
+    def _open_snapshots(self, fixed: FixedLoop, store: snapshot.Store | None) -> None:
+        """Every rank, before the first epoch (one allgather, then nothing more on a fresh run).
+
+        Each server checks that it can write its snapshots.  A fresh run: server 0 removes every
+        snapshot and update mark in the folder, each other server its own (an earlier run's would
+        otherwise be resumed as this one's; all before the allgather, the marks made after it).
+        Under ``--resume``: each server reads its own newest snapshot of the epoch the checkpoint
+        resumes (each its own newest, not a set common to all: every snapshot records the batches
+        of the epoch its slice holds, so any mix is consistent) and its last session's update
+        mark.  A problem on any server is every rank's one line.  Then each
+        server starts its mark, takes its snapshot's slice and state, and server 0 learns the
+        batches every server holds: the epoch goes on with the others, which every server lacking
+        one applies and every server holding one receives and skips.  A server without a
+        snapshot of the epoch starts it from the checkpoint's slice, holding no batch of it."""
+        a, epoch = self.args, fixed.start_epoch + 1
+        problem, snap, mark = None, None, None
+        if store is not None:
+            try:
+                files.ensure_writable(a.checkpoint_dir)  # each server's host: the folder may be local
+                if a.resume:
+                    snap, mark = store.newest(epoch), store.read_mark()
+                else:
+                    snapshot.remove_all(a.checkpoint_dir, None if self._rank == 0 else
+                                        store.layout.stem())
+            except UserError as err:
+                problem = str(err)
+        found = self.world.gather({"problem": problem,
+                                   "done": None if snap is None else snap.done}, "ps_snapshots")
+        problems = [f["problem"] for f in found if f["problem"]]
+        if problems:  # every rank raises it: rank 0 prints it, every rank exits 2
+            raise UserError(problems[0])
+        if store is None:
+            return
+        try:
+            store.start()
+        except OSError as err:  # the resume's count of lost updates would be unknown: said then
+            store.warn(f"cannot record its updates in {store.mark_path.name} ({err.strerror})")
+        if not a.resume:
+            return
+        masks, everyone = snapshot.held([f["done"] for f in found[:self.roles.servers]],
+                                        store.layout.workers, store.layout.steps)
+        since = snap.updates if snap is not None else 0
+        self.server.resume(epoch, since, masks[self._rank], everyone,
+                           None if snap is None else snap.weights,
+                           None if snap is None else snap.state)
+        self.server.books.resumed = {
+            "epoch": epoch, "from_update": since,
+            "updates_lost": snapshot.lost_updates(mark, epoch, since),
+            "snapshot": None if snap is None else snap.path.name,
+            "batches_done": int(everyone.sum())}
 
     def _train_epoch(self, epoch: int) -> list[int]:
         fixed = self.fixed
@@ -391,7 +465,7 @@ class ParameterServerRun(FrameworkRun):
         applied gradients (one round of the workers) above."""
         live = self.live_workers()
         fixed, per = self.fixed, 1 if self.cfg.staleness == 0 else live
-        this_epoch = updates - sum(self.server.books.epoch_updates)
+        this_epoch = self.server.epoch_updates  # a resumed epoch: its snapshot's updates included
         if this_epoch % per == 0:
             step = min(this_epoch // per, fixed.steps)
             rows = self.args.batch_size * self.args.backward_passes_per_step
@@ -449,8 +523,11 @@ def summary_record(books: list[dict[str, Any]], cfg: ps.Config, steps: int,
     workers = sorted((b for b in books if "worker" in b), key=lambda b: b["worker"])
     pushed = {b["worker"]: b["pushed"] for b in workers}
     n_steps = steps * max(len(servers[0]["epoch_seconds"]), 1)
-    exact = all(s["applied"][w] == s["received"][w] == pushed[w]
-                for s in servers for w in pushed)
+    # a gradient a server's snapshot held already (a resumed epoch) is received and skipped
+    skipped = [s.get("skipped") or [0] * cfg.roles.workers for s in servers]
+    exact = all(s["applied"][w] + skip[w] == s["received"][w] == pushed[w]
+                for s, skip in zip(servers, skipped, strict=True) for w in pushed)
+    resumed = [s.get("resumed") for s in servers]
     k = cfg.staleness
     return {
         "servers": cfg.roles.servers, "workers": cfg.roles.workers,
@@ -477,6 +554,20 @@ def summary_record(books: list[dict[str, Any]], cfg: ps.Config, steps: int,
         # training, seconds of silence
         "lost": [x for x in servers[0].get("lost", [])
                  if x["rank"] in {cfg.roles.worker_rank(w) for w in lost}],
+        # snapshots (docs/parameter-servers.md, "Snapshots and --resume"): --commit-every where
+        # written, how many and how long each server's took (mean, longest)
+        "commit_every": servers[0].get("snapshot_every"),
+        "snapshots_written": [s.get("snapshots", 0) for s in servers],
+        "snapshot_seconds": [[s["snapshot_seconds"] / s["snapshots"], s["snapshot_max_seconds"]]
+                             if s.get("snapshots") else None for s in servers],
+        "skipped": [sum(x) for x in skipped],
+        # --resume: the epoch it resumed, each server's snapshot (its updates of that epoch; 0:
+        # the epoch's start) and the updates it had applied after it that are gone (None: unknown)
+        "resumed_epoch": resumed[0]["epoch"] if resumed[0] else None,
+        "resumed_from_update": [r["from_update"] for r in resumed] if resumed[0] else None,
+        "updates_lost": [r["updates_lost"] for r in resumed] if resumed[0] else None,
+        "resumed_snapshots": [r["snapshot"] for r in resumed] if resumed[0] else None,
+        "batches_resumed": resumed[0]["batches_done"] if resumed[0] else None,
     }
 
 
@@ -486,14 +577,18 @@ def report_lines(record: dict[str, Any]) -> list[str]:
     waits = r["worker_wait_seconds"]
     spent = r["worker_seconds"]
     applied = r["gradients_applied"]
+    skipped = r.get("skipped") or [0] * len(applied)
     once = ("every pushed gradient applied exactly once" if r["exactly_once"]
             else "COUNTERS DISAGREE: " + f"pushed {r['pushed']}, applied {r['applied']}")
     # a lost worker's books left with it: its gradients are those the servers applied beyond
-    by_lost = (f" (and {applied[0] - r['gradients_pushed']} by the lost worker(s))"
+    by_lost = (f" (and {applied[0] + skipped[0] - r['gradients_pushed']} by the lost worker(s))"
                if r["lost_workers"] else "")
+    each = (f"{applied[0]} applied by each server" if not any(skipped)
+            else f"{', '.join(map(str, applied))} applied by the servers and "
+                 f"{', '.join(map(str, skipped))} already in their snapshots")
     lines = [
         f"ps: {r['servers']} server(s), {r['workers']} worker(s), --staleness {r['staleness']}: "
-        f"{r['gradients_pushed']} gradients pushed{by_lost}, {applied[0]} applied by each server "
+        f"{r['gradients_pushed']} gradients pushed{by_lost}, {each} "
         f"({once}); {r['batches_handed_over']} batches handed to another worker",
         f"ps: staleness (server updates behind, per applied gradient): "
         f"{ps.histogram_line(r['staleness_histogram'])}",
@@ -511,5 +606,24 @@ def report_lines(record: dict[str, Any]) -> list[str]:
                 for rank in r["lost_workers"]]
         left = r["workers"] - len(r["lost_workers"])
         lines.append(f"ps: lost worker {'; '.join(said)}; trained on with {left} worker(s)")
+    line = resumed_line(r)
+    if line:
+        lines.append(line)
     return lines
+
+
+def resumed_line(r: dict[str, Any]) -> str | None:
+    """Rank 0's line on a resume that took servers' snapshots or lost updates (None otherwise)."""
+    froms, lost, names = r.get("resumed_from_update"), r.get("updates_lost"), r.get("resumed_snapshots")
+    if froms is None or not (any(names) or any(n != 0 for n in lost)):
+        return None
+    each = []
+    for s, (since, gone, name) in enumerate(zip(froms, lost, names, strict=True)):
+        start = f"from update {since}" if name else "from the epoch's start (no snapshot)"
+        each.append(f"server {s} {start}, "
+                    + ("updates lost unknown (no intact record of its last one)" if gone is None
+                       else f"{gone} update(s) after it lost"))
+    return (f"ps: resumed epoch {r['resumed_epoch']} (--commit-every {r['commit_every']}): "
+            f"{'; '.join(each)}; {r['batches_resumed']} batches every server held were not "
+            f"trained again")
 
