@@ -152,7 +152,8 @@ def given(args: argparse.Namespace) -> list[str]:
 
 
 def ring_only(args: argparse.Namespace, strategy: str) -> None:
-    """For now the ring alone trains with these flags: another strategy refuses them in one line."""
+    """The ring and the pipeline train with these flags; the parameter servers refuse them, for
+    now, in one line."""
     if getattr(args, "shard_optimizer", False):
         why = ("the servers already hold each slice's optimizer state once"
                if "ps" in strategy else "stages already split the model; not supported for now")
@@ -160,8 +161,9 @@ def ring_only(args: argparse.Namespace, strategy: str) -> None:
                         f"--shard-optimizer")
     found = given(args)
     if found:
-        raise UserError(f"{found[0]} works on the ring only for now (--strategy ring); {strategy} "
-                        f"trains with SGD (--momentum) in float32; drop {found[0]}")
+        raise UserError(f"{found[0]} works with the ring and the pipeline, not yet with "
+                        f"{strategy}, whose servers apply SGD (--momentum) in float32; drop "
+                        f"{found[0]}")
 
 
 def describe(args: argparse.Namespace, bf16_instructions: bool | None = None) -> str | None:

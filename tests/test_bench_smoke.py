@@ -154,6 +154,10 @@ def test_pipeline_part(tmp_path):
     whole = data["memory"]["weight_bytes"]
     assert sum(s2["param_bytes"]) == whole and max(s2["param_bytes"]) < 0.6 * whole
     assert len(s2["ranks"]) == 2 and all(r["peak_rss_bytes"] > 0 for r in s2["ranks"])
+    assert all(c["ok"] for c in data["stage_memory"]["cells"]), failed(data["stage_memory"]["cells"])
+    by_mode = {c["partition"]: c for c in data["partition"]["cells"]}
+    assert sorted(by_mode) == ["params", "time"] and all(c["ok"] for c in by_mode.values()), \
+        failed(data["partition"]["cells"])
     link = data.get("link")
     if link is not None and "skipped" not in link:
         assert [r["kind"] for r in link["rows"]] == ["data-parallel", "pipeline"]
