@@ -25,14 +25,25 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import numpy as np
 import torch
 
 from ringtrain.optimizer_options import distributed_optimizer_options
+from ringtrain.training.world import Collectives, broadcast_plain
 from torch_models import optimizers
 
 # Elements per collective call: 16 MiB of float32, the transient buffer of a reduce-scatter or
 # allgather (and R times that for the reduce-scatter's input), small beside a model worth sharding.
 CHUNK = 1 << 22
+
+
+def _plain(value: Any) -> Any:
+    """A state or hyperparameter value as plain data: a tensor (Adam's step) as a NumPy array."""
+    return value.detach().cpu().numpy() if torch.is_tensor(value) else value
+
+
+def _unplain(value: Any) -> Any:
+    return torch.from_numpy(value.copy()) if isinstance(value, np.ndarray) else value
 
 
 def layout(numel: int, world: int) -> tuple[int, int]:
@@ -158,6 +169,16 @@ class ShardedOptimizer:
                                      f"parameter {tuple(self.params[i].shape)}")
         self.pending = whole
 
+    def _plain_comm(self) -> Collectives:
+        """The broadcast of NumPy arrays that :func:`broadcast_plain` sends its JSON in, from
+        this optimizer's Horovod (a fake in the tests)."""
+        hvd = self.hvd
+
+        def broadcast(array: np.ndarray, name: str) -> np.ndarray:
+            return hvd.broadcast(torch.from_numpy(array), root_rank=0, name=name).numpy()
+
+        return Collectives(sum=None, broadcast=broadcast, allgather=None)
+
     def scatter_state(self) -> None:
         """On every rank, after the weights' broadcast: rank 0's restored state (if any), each
         rank keeping its slice; every rank starts fresh alike when nothing was restored."""
@@ -171,14 +192,17 @@ class ShardedOptimizer:
             scalars = {k: v for k, v in first.items() if k not in tensors}
             hyper = {k: v for k, v in groups[0].items() if k != "params"}
             keys = (tensors, scalars, hyper)
-        keys = hvd.broadcast_object(keys, root_rank=0, name="shard.state.keys")
+        # Plain data (ringtrain.training.wire's JSON, never a pickle): the step counts as arrays.
+        if keys is not None:
+            keys = (keys[0], {k: _plain(v) for k, v in keys[1].items()},
+                    {k: _plain(v) for k, v in keys[2].items()})
+        keys = broadcast_plain(self._plain_comm(), self.rank == 0, keys, "shard.state.keys")
         self.pending = None
         if keys is None:
             return
         tensors, scalars, hyper = keys
-        # copies: on rank 0 broadcast_object may hand back the checkpoint's own step tensors
-        slot: dict[str, Any] = {k: v.clone() if torch.is_tensor(v) else v
-                                for k, v in scalars.items()}
+        slot: dict[str, Any] = {k: _unplain(v) for k, v in scalars.items()}
+        hyper = {k: tuple(v) if isinstance(v, list) else _unplain(v) for k, v in hyper.items()}
         for key in tensors:
             flat = torch.zeros(self.padded, dtype=self.flat.dtype)
             if whole is not None:
