@@ -13,9 +13,13 @@ PyTorch): ``--only ps``; ``pipeline`` (model parallelism: GPipe and 1F1B against
 formula, against data parallelism, a model too large for one rank's memory cap, and, as root, the
 bytes on a link between two emulated hosts; PyTorch): ``--only pipeline``; ``fault_recovery`` (the
 seconds one rank SIGKILLed mid-epoch costs under the ring with ``--resume``, ``--elastic``, the
-pipeline with ``--resume`` and the parameter servers; PyTorch): ``--only fault_recovery``.  Each part
+pipeline with ``--resume`` and the parameter servers; PyTorch): ``--only fault_recovery``;
+``optimizers`` (SGD and AdamW, ``--shard-optimizer`` or not, at -np 2 and 4: images/s and each
+rank's peak memory against the state's formula; bf16 against fp32; both frameworks):
+``--only optimizers``.  Each part
 is a module of bench/parts/: its own name, or ``allreduce`` (collectives), ``emulated_cluster`` (cluster),
-``owndata`` (data), ``param_servers`` (ps), ``model_parallel`` (pipeline).
+``owndata`` (data), ``param_servers`` (ps), ``model_parallel`` (pipeline), ``update_cost``
+(optimizers).
 Each part's JSON is written to ``<out>/<part>.json`` as soon as it finishes; ``results.json``
 merges the latest of each, so ``--only`` reruns one part and keeps the others.  ``--profile RUN``
 runs only that run (names as printed, e.g. ``torch/trainer/horovod/mnist/np2``) under py-spy,
@@ -45,6 +49,7 @@ from bench.parts import (
     profiling,
     smoke,
     throughput,
+    update_cost,
 )
 from bench.parts.training_runs import Profiling, execute, parse_run
 from bench.reports import report
@@ -193,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
             scale = (fault_recovery.smoke if args.smoke else fault_recovery.quick if args.quick
                      else fault_recovery.full)
             data = fault_recovery.run_part(scale(), out)
+        elif part == "optimizers":
+            scale = (update_cost.smoke if args.smoke else update_cost.quick if args.quick
+                     else update_cost.full)
+            ocfg = scale()
+            ocfg.frameworks = [f for f in ocfg.frameworks if f in frameworks]
+            data = update_cost.run_part(ocfg, out)
         else:
             data = accuracy.run_part(cfg, out, frameworks)
         data["quick"] = cfg.quick or args.smoke

@@ -1,7 +1,8 @@
 """Every benchmark entry point at its smallest size, so that an import or API drift fails here and
 not in the next full run of the suite.
 
-* each part of ``python -m bench --smoke`` (throughput, collectives, accuracy, floor, pipeline;
+* each part of ``python -m bench --smoke`` (throughput, collectives, accuracy, floor, pipeline,
+  ps, optimizers;
   as root the cluster), ``--profile`` (its samples where py-spy is installed), and SIGTERM to the driver;
 * every worker the parts launch: ``bench/workers/torch_loop.py``, ``bench/workers/tf_loop.py`` and
   ``bench/workers/rankexec.py`` (throughput, floor), ``bench/workers/coll_worker.py`` (collectives,
@@ -209,6 +210,27 @@ def test_ps_part(tmp_path):
     else:
         assert "skipped" in part["link"]
     assert "## 9. Parameter servers" in md and "### 9.3" in md
+
+
+def test_optimizers_part(tmp_path):
+    """Each kind of run once (PyTorch, a small MLP with AdamW unsharded and sharded at -np 2; the
+    CNN in fp32 and bf16 at -np 1): every rank's peak memory recorded, the formula's state per
+    rank halved by sharding at R = 2, and section 12 renders both tables."""
+    out, md = bench(tmp_path, "--only", "optimizers", "--frameworks", "torch")
+    data = json.loads((out / "optimizers.json").read_text())
+    cells = data["update"]["cells"]
+    assert [(c["optimizer"], c["np"], c["sharded"]) for c in cells] == [("adamw", 2, False),
+                                                                        ("adamw", 2, True)]
+    assert all(c["ok"] for c in cells), failed(cells)
+    assert all(len(c["peak_rss_mib"]) == 2 and min(c["peak_rss_mib"]) > 0 for c in cells)
+    plain, shard = cells
+    assert shard["state_bytes_formula"] * 2 == plain["state_bytes_formula"] == \
+        2 * data["update"]["weight_bytes"]
+    assert "saved_bytes" in shard and shard["saved_bytes_formula"] == data["update"]["weight_bytes"]
+    prec = data["precision"]["cells"]
+    assert [c["precision"] for c in prec] == ["fp32", "bf16"] and all(c["ok"] for c in prec), \
+        failed(prec)
+    assert "## 12. Optimizers" in md and "### 12.1" in md and "### 12.2" in md
 
 
 def test_fault_recovery_part_measures_and_renders(tmp_path):

@@ -20,6 +20,7 @@ from bench.reports import (
     report_fault_recovery,
     report_floor,
     report_headline,
+    report_optimizers,
     report_pipeline,
     report_ps,
 )
@@ -37,7 +38,7 @@ def _rel(target: Path, base: Path) -> str:
 
 
 PARTS = ("throughput", "collectives", "accuracy", "cluster", "floor", "data", "ps", "pipeline",
-         "fault_recovery")
+         "fault_recovery", "optimizers")
 DEFAULT_PARTS = ("throughput", "collectives", "accuracy")  # cluster, floor: `make bench-cluster`;
 # data: `python -m bench --only data` (about 30 min on 2 cores); ps: `python -m bench --only ps`
 # (parameter servers; its link table as root)
@@ -392,7 +393,8 @@ def render(res: dict) -> str:
              dated(accuracy(res), "accuracy"), dated(report_cluster.section(res), "cluster"),
              dated(report_floor.section(res), "floor"), dated(report_data.section(res), "data"),
              dated(report_ps.section(res), "ps"), dated(report_pipeline.section(res), "pipeline"),
-             dated(report_fault_recovery.section(res), "fault_recovery"), profile(res)]
+             dated(report_fault_recovery.section(res), "fault_recovery"),
+             dated(report_optimizers.section(res), "optimizers"), profile(res)]
     return "\n".join(line for part in parts for line in part).rstrip() + "\n"
 
 
