@@ -71,10 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated parts: {', '.join(PARTS)} "
                         f"(default: {', '.join(report.DEFAULT_PARTS)})")
     p.add_argument("--frameworks", default="torch,tf", help="torch, tf or both (default)")
-    p.add_argument("--cells", default=",".join(emulated_cluster.CELLS),
-                   help=f"cluster part: which of its cells to run ({', '.join(emulated_cluster.CELLS)}; "
-                        "default all); a subset replaces those cells' records in OUT/cluster.json and "
-                        "keeps the rest")
+    p.add_argument("--cells", default=None,
+                   help=f"with --only cluster: which of its cells to run "
+                        f"({', '.join(emulated_cluster.CELLS)}); with --only pipeline: "
+                        f"{', '.join(model_parallel.CELLS)}; default all; a subset replaces those "
+                        "cells' records in OUT/<part>.json and keeps the rest")
     p.add_argument("--data-models", default=None,
                    help="data part: which of its models to measure (cnn, resnet18; default both)")
     p.add_argument("--data-rounds", type=int, default=None, metavar="N",
@@ -116,15 +117,21 @@ def main(argv: list[str] | None = None) -> int:
         if name not in PARTS:
             raise bad_input(f"--only: unknown part {name!r}; choose from {', '.join(PARTS)}")
         parts.append(name)
-    cells = [c.strip() for c in args.cells.split(",") if c.strip()]
-    if not cells or any(c not in emulated_cluster.CELLS for c in cells):
-        raise bad_input(f"--cells: {args.cells!r}: choose from {', '.join(emulated_cluster.CELLS)}")
-    rerun = set(cells) != set(emulated_cluster.CELLS)
-    if rerun and parts != ["cluster"]:
-        raise bad_input("--cells reruns some cells of the cluster part: use it with --only cluster")
-    if rerun and not (out / "cluster.json").exists():
-        raise bad_input(f"--cells reruns some cells of an earlier cluster part, but {out} holds no "
-                        "cluster.json: run the whole part first, or point --out at its folder")
+    known_cells = {"cluster": emulated_cluster.CELLS, "pipeline": model_parallel.CELLS}
+    rerun_part = parts[0] if len(parts) == 1 and parts[0] in known_cells else None
+    every = known_cells[rerun_part] if rerun_part else emulated_cluster.CELLS
+    cells = list(every) if args.cells is None else [c.strip() for c in args.cells.split(",")
+                                                    if c.strip()]
+    if args.cells is not None and rerun_part is None:
+        raise bad_input("--cells reruns some cells of one part: use it with --only cluster or "
+                        "--only pipeline")
+    if not cells or any(c not in every for c in cells):
+        raise bad_input(f"--cells: {args.cells!r}: choose from {', '.join(every)}")
+    rerun = set(cells) != set(every)
+    if rerun and not (out / f"{rerun_part}.json").exists():
+        raise bad_input(f"--cells reruns some cells of an earlier {rerun_part} part, but {out} "
+                        f"holds no {rerun_part}.json: run the whole part first, or point --out at "
+                        "its folder")
     try:
         run = parse_run(args.profile) if args.profile else None
     except ValueError as err:
@@ -190,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             scale = (model_parallel.smoke if args.smoke else model_parallel.quick if args.quick
                      else model_parallel.full)
-            data = model_parallel.run_part(scale(), out)
+            data = model_parallel.run_part(scale(), out, cells if rerun else None)
         elif part == "fault_recovery":
             if "torch" not in frameworks:
                 util.say("fault_recovery: measures torch only; skipped")
@@ -211,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         data["machine"] = util.read_json(out / "machine.json")  # the limits its numbers meet
         if part == "cluster" and rerun and "skipped" not in data:
             data = emulated_cluster.merge_rerun(util.read_json(out / "cluster.json"), data, command)
+        if part == "pipeline" and rerun:
+            data = model_parallel.merge_rerun(util.read_json(out / "pipeline.json"), data, command)
         util.write_json(out / f"{part}.json", data)
 
     results = merge(out, {"quick": cfg.quick or args.smoke, "started": started, "command": command,

@@ -655,6 +655,42 @@ def test_data_models_chooses_the_data_parts_models_and_refuses_the_unknown(capsy
         assert needle in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_cells_reruns_some_cells_of_the_pipeline_part_and_keeps_the_rest(tmp_path, capsys):
+    """``--only pipeline --cells largest,schedules-s4``: only those cells are measured again;
+    :func:`merge_rerun` puts them in place of the earlier run's (a schedule cell: the rows of its
+    S), keeps the rest and records the rerun, which section 10 names with its load; a cell the
+    part does not have, or --cells with more than one part, is one line."""
+    from bench import __main__ as bench_main
+    from bench.parts import model_parallel as mp
+    from bench.reports.report_pipeline import reruns
+
+    before = {"config": {"cells": list(mp.CELLS)}, "started": "2026-11-28 05:55 UTC",
+              "schedules": [{"stages": 2, "micro": 1}, {"stages": 4, "micro": 1, "old": True}],
+              "largest": {"old": True}, "memory": {"kept": True}}
+    again = {"config": {"cells": ["schedules-s4", "largest"]}, "started": "2026-11-29 01:00 UTC",
+             "schedules": [{"stages": 4, "micro": 1}], "largest": {"new": True},
+             "load_before": [3.0, 2.0, 1.0], "load_after": [1.0, 1.0, 1.0]}
+    merged = mp.merge_rerun(before, again, "python -m bench --only pipeline --cells x")
+    assert merged["schedules"] == [{"stages": 2, "micro": 1}, {"stages": 4, "micro": 1}]
+    assert merged["largest"] == {"new": True} and merged["memory"] == {"kept": True}
+    (rerun,) = merged["reruns"]
+    assert rerun["cells"] == ["schedules-s4", "largest"] and rerun["load_before"] == [3.0, 2.0, 1.0]
+    said = reruns(merged, {"machine": {"cores": 2}})
+    assert "S = 4 schedules, largest model tables are from a later run, 2026-11-29 01:00 UTC" in said
+    assert "load above the 2 cores" in said
+    (tmp_path / "pipeline.json").write_text("{}")
+    for argv, needle in ((["--only", "pipeline", "--cells", "bubble"], "choose from schedules-s2"),
+                         (["--only", "pipeline,ps", "--cells", "largest"],
+                          "use it with --only cluster or --only pipeline"),
+                         (["--only", "pipeline", "--cells", "largest", "--out",
+                           str(tmp_path / "empty")], "holds no pipeline.json")):
+        with pytest.raises(SystemExit) as ended:
+            bench_main.main(argv)
+        assert ended.value.code == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
 # -- the output folder and the files bench writes (the cluster parts run as root) -------------------
 
 def _entry_points(monkeypatch):

@@ -618,20 +618,54 @@ def link_formula(kind: str, summary: dict, batch: int) -> float:
     return batch * math.prod(cut) * 4
 
 
-def run_part(cfg: PipelineConfig, out: Path) -> dict:
+# The part's cells, for ``python -m bench --only pipeline --cells ...``: a subset is measured
+# again and replaces those cells of the part's JSON (:func:`merge_rerun`), the rest kept as
+# measured; the report names the rerun, its time and load.
+CELLS = ("schedules-s2", "schedules-s4", "versus_dp", "memory", "deep_memory", "largest",
+         "stage_memory", "partition", "link")
+
+
+def run_part(cfg: PipelineConfig, out: Path, cells: list[str] | None = None) -> dict:
+    """Every cell of the part (``cells``: only those, of :data:`CELLS`)."""
+    chosen = set(CELLS if cells is None else cells)
     runner = Runner(cfg, out)
-    data: dict = {"config": cfg.to_dict(), "load_before": loadavg(),
-                  "mlp_params": mlp_params(*cfg.mlp)}
-    data["schedules"] = schedules(runner)
-    if cfg.versus_dp:
+    runner.cfg.schedule_stages = [s for s in cfg.schedule_stages if f"schedules-s{s}" in chosen]
+    data: dict = {"config": {**cfg.to_dict(), "cells": sorted(chosen, key=CELLS.index)},
+                  "load_before": loadavg(), "mlp_params": mlp_params(*cfg.mlp)}
+    if runner.cfg.schedule_stages:
+        data["schedules"] = schedules(runner)
+    if cfg.versus_dp and "versus_dp" in chosen:
         data["versus_dp"] = versus_dp(runner)
-    data["memory"] = memory(runner, out)
-    if cfg.deep_memory:
+    if "memory" in chosen:
+        data["memory"] = memory(runner, out)
+    if cfg.deep_memory and "deep_memory" in chosen:
         data["deep_memory"] = deep_memory(runner)
-    data["largest"] = largest(runner)
-    data["stage_memory"] = stage_memory(runner)
-    data["partition"] = partition(runner)
-    if cfg.link:
+    for name, cell in (("largest", largest), ("stage_memory", stage_memory),
+                       ("partition", partition)):
+        if name in chosen:
+            data[name] = cell(runner)
+    if cfg.link and "link" in chosen:
         data["link"] = link(runner, out)
     data["load_after"] = loadavg()
     return data
+
+
+def merge_rerun(part: dict, rerun: dict, command: str) -> dict:
+    """``part`` (the whole pipeline part as measured before) with the cells ``rerun`` measured
+    again in place of its own (a schedule cell: the rows of its S); everything else stays, and
+    when and how the rerun ran is kept in ``reruns`` (the report names it beside its tables)."""
+    cells = rerun["config"]["cells"]
+    merged = dict(part)
+    stages = {int(c.split("-s")[1]) for c in cells if c.startswith("schedules-s")}
+    if stages:
+        merged["schedules"] = [r for r in part.get("schedules", [])
+                               if r.get("stages", 2) not in stages] + rerun.get("schedules", [])
+    for cell in cells:
+        key = cell
+        if not cell.startswith("schedules-") and key in rerun:
+            merged[key] = rerun[key]
+    merged["quick"] = bool(part.get("quick") or rerun.get("quick"))
+    merged["reruns"] = [*part.get("reruns", []), {
+        "cells": cells, "command": command, **{k: rerun.get(k) for k in (
+            "started", "machine", "load_before", "load_after")}}]
+    return merged

@@ -33,15 +33,37 @@ def section(res: dict) -> list[str]:
               f"({load_note(data.get('load_before'), (res.get('machine') or {}).get('cores'))}: "
               "compare rows of this run with each other, not with other sections). PyTorch, "
               "`horovodrun -np 2`, `OMP_NUM_THREADS=1`; each figure from the trainer's own "
-              "`--metrics-out` summary. See docs/pipeline.md.", ""]
+              "`--metrics-out` summary. See docs/pipeline.md." + reruns(data, res), ""]
     lines += _schedules(data, width, depth, comparing, res)
     lines += _versus(data, comparing)
     lines += _memory(data)
+    lines += _deep_memory(data)
     lines += _largest(data, comparing)
     lines += _stage_memory(data)
     lines += _partition(data, comparing)
     lines += _link(data, comparing)
     return lines
+
+
+CELL_TABLES = {"schedules-s2": "S = 2 schedules", "schedules-s4": "S = 4 schedules",
+               "versus_dp": "pipeline against data parallelism", "memory": "memory",
+               "deep_memory": "stage build", "largest": "largest model", "stage_memory":
+               "peak memory per stage", "partition": "`--partition`", "link": "link"}
+
+
+def reruns(data: dict, res: dict) -> str:
+    """Which cells were measured again later (``python -m bench --only pipeline --cells ...``):
+    their tables are from that run, compared within it."""
+    said = []
+    cores = (res.get("machine") or {}).get("cores")
+    for r in data.get("reruns", []):
+        tables = ", ".join(CELL_TABLES.get(c, c) for c in r["cells"])
+        load = r.get("load_before")
+        said.append(f" The {tables} tables are from a later run, {r.get('started', '?')} "
+                    f"(`{r['command']}`), load average {load_text(load)} at its start and "
+                    f"{load_text(r.get('load_after'))} at its end ({load_note(load, cores)}): "
+                    "compare their rows with each other.")
+    return "".join(said)
 
 
 def _schedules(data: dict, width: int, depth: int, comparing: bool, res: dict) -> list[str]:
@@ -130,6 +152,34 @@ def _memory(data: dict) -> list[str]:
             "(`bench/workers/memlimit.py`: `RLIMIT_DATA`), -np 2, 16 MiB fusion buffer:", "",
             table(["run", "outcome", "parameter MB per rank (rank 0 / 1)",
                    "peak resident MB per rank"], rows), ""]
+
+
+def _deep_memory(data: dict) -> list[str]:
+    deep = data.get("deep_memory")
+    if not deep or not deep.get("cells"):
+        return []
+    rows = []
+    for c in deep["cells"]:
+        outcome = ("trained" if c["ok"] else "failed: can't allocate memory"
+                   if c.get("allocation_failed") else "failed")
+        built = ("its stage only" if c.get("stage_by_stage") else
+                 "the whole model" if c["np"] == 1 else "the whole model (fallback)")
+        peaks = c.get("peak_rss_mb") or []
+        rows.append([f"-np {c['np']}" + (f", S = {c['stages']}" if c["stages"] > 1 else ", ring"),
+                     outcome, built,
+                     " / ".join(_mb(b) for b in c.get("param_bytes") or []) or "-",
+                     f"{min(peaks)}-{max(peaks)}" if peaks else "-"])
+    weights = 4 * (deep["width"] * deep["width"] + deep["width"]) * deep["depth"]
+    return ["### What a rank builds: a model no rank can hold", "",
+            f"{deep['depth']} x Linear({deep['width']}, {deep['width']}) (about "
+            f"{weights / 1e9:.2f} GB of float32 weights; `bench.parts.model_parallel:deep_torch`, "
+            "a plain `nn.Sequential`), each rank allowed "
+            f"{deep['budget_mb']:.0f} MB beyond the started framework (`RLIMIT_DATA`), one epoch of "
+            "8 steps of 8 rows. One rank must hold the weights, their gradients and momentum; at "
+            "S = 8 each rank builds and trains only its stage (docs/pipeline.md, 'What is built "
+            "where').", "",
+            table(["run", "outcome", "built on each rank", "parameter MB per rank",
+                   "peak resident MB per rank (min-max)"], rows), ""]
 
 
 def _link(data: dict, comparing: bool) -> list[str]:
