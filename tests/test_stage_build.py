@@ -227,18 +227,25 @@ def torch_compare(split, whole, keep: int, spec: str) -> None:
 
 def test_torch_a_stage_holds_no_later_layer_and_one_earlier_layer_at_a_time(monkeypatch):
     """Stage 2 of 3 of an MLP of equal layers: while the layers before it are replayed, at most
-    one of them has memory beside the stage's own; the layers after it never have any."""
+    one of them has memory beside the stage's own, and all of them the same bytes (one scratch
+    buffer, allocated once: the first layer is the largest); the layers after it never have
+    any."""
     import torch
 
     from torch_models import stages
 
     monkeypatch.setenv("BENCH_MLP", "64,6")
-    seen = []
+    seen, scratches, layers = [], set(), []
     replay = stages._Meta.replay
 
-    def watched(self, layer, device, trace=None):
-        replay(self, layer, device, trace)
+    def watched(self, layer, device, trace=None, scratch=None):
+        replay(self, layer, device, trace, scratch=scratch)
+        if scratch is not None:
+            at = scratch.untyped_storage().data_ptr()
+            scratches.add(at)
+            assert all(p.untyped_storage().data_ptr() == at for p in layer.parameters())
         if device == "cpu":
+            layers[:] = [self.layers]
             seen.append([sum(p.numel() for p in m.parameters() if p.device.type == "cpu")
                          for _, m in self.layers])
 
@@ -248,11 +255,14 @@ def test_torch_a_stage_holds_no_later_layer_and_one_earlier_layer_at_a_time(monk
     assert split.built == stages.BY_STAGE
     layer_of = [i for i, s in enumerate(split.stages) for _ in s.layers]
     mine = [i for i, s in enumerate(layer_of) if s == 1]
-    assert len(seen) == mine[-1] + 1  # replayed up to the stage's last layer, no further
+    # replayed: the stage's layers and the earlier ones with weights (the others draw nothing)
+    weighted = [i for i, (_, m) in enumerate(layers[0]) if next(m.parameters(), None) is not None]
+    assert len(seen) == len(mine) + sum(1 for i in weighted if i < mine[0])
     for cpu in seen:
         assert all(n == 0 for n in cpu[mine[-1] + 1:])
         assert sum(1 for i, n in enumerate(cpu[:mine[0]]) if n) <= 1
     assert sum(seen[-1][i] for i in mine) == split.stages[1].params == sum(seen[-1])
+    assert len(scratches) == 1
 
 
 @pytest.mark.parametrize("spec,reason", [
