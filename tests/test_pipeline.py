@@ -314,7 +314,8 @@ def test_bf16_stages_send_half_the_bytes_keep_float32_weights_and_learn(fw, runs
 @pytest.mark.parametrize("module", ["launch.torch_mnist", "launch.tf_mnist"])
 @pytest.mark.parametrize("flags,needle", [
     (["--pipeline-stages", "2", "--microbatches", "3"], "--microbatches 3 must divide --batch-size 64"),
-    (["--pipeline-stages", "2", "--elastic"], "--elastic with --pipeline-stages"),
+    (["--pipeline-stages", "2", "--elastic", "--schedule", "1f1b"],
+     "--schedule 1f1b with --elastic --pipeline-stages"),
     (["--pipeline-stages", "2", "--adasum"], "--adasum with --pipeline-stages"),
     (["--pipeline-stages", "2", "--autotune"], "--autotune with --pipeline-stages"),
     (["--pipeline-stages", "2", "--timeline-out", "t.json"], "--timeline-out with --pipeline-stages"),

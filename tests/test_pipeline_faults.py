@@ -1,6 +1,7 @@
 """The pipeline's row of the fault matrix (docs/fault-tolerance.md): a stage's rank frozen,
-killed, cut off from the other host, or its disk full while it saves.  A pipeline is not elastic
-(S fixed, issue 56 item 1 is not built): every fault but the full disk ends the job in one line
+killed, cut off from the other host, or its disk full while it saves.  The fixed-size pipeline
+(its MPI transport and process sets; the elastic one, --elastic, is tests/test_pipeline_elastic.py's):
+every fault but the full disk ends the job in one line
 or the launcher's, within --stall-timeout + 30 s, no rank left, every stage's newest checkpoint
 loadable; a full disk warns and trains on, as the ring does.
 

@@ -40,7 +40,9 @@ STRATEGIES = {
                      elastic={"torch": "torch_models.elastic:train",
                               "tf": "tf_models.elastic:train"}),
     "pipeline": Strategy(pipeline_options, {"torch": "torch_models.pipeline:TorchPipelineRun",
-                                            "tf": "tf_models.pipeline:KerasPipelineRun"}),
+                                            "tf": "tf_models.pipeline:KerasPipelineRun"},
+                         elastic={"torch": "torch_models.pipeline_elastic:train",
+                                  "tf": "tf_models.pipeline_elastic:train"}),
     "ps": Strategy(ps_options, {"torch": "torch_models.ps:TorchPSRun",
                                 "tf": "tf_models.ps:KerasPSRun"}),
 }

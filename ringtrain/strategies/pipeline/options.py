@@ -95,6 +95,8 @@ def validate(args: argparse.Namespace) -> None:
         args.microbatches_default = True
     elif not hasattr(args, "microbatches_default"):
         args.microbatches_default = False
+    if args.elastic:
+        elastic_checks(args)
     args.schedule = args.schedule or "1f1b"
     args.partition = args.partition or "params"
     if args.microbatches < 1:
@@ -102,10 +104,6 @@ def validate(args: argparse.Namespace) -> None:
     if args.batch_size % args.microbatches:
         raise UserError(f"--microbatches {args.microbatches} must divide --batch-size "
                         f"{args.batch_size} (equal micro-batches); change one of them")
-    if args.elastic:
-        raise UserError("--elastic with --pipeline-stages: an elastic job re-forms its world as "
-                        "workers come and go, and a pipeline needs every stage of a replica at "
-                        "once (one lost rank stops its whole replica); drop one of the two flags")
     if args.adasum:
         raise UserError("--adasum with --pipeline-stages: each stage's gradients are combined "
                         "within its own process set, and Horovod 0.28.1's Adasum works on the "
@@ -126,6 +124,34 @@ def validate(args: argparse.Namespace) -> None:
                         "missing); drop one of the two flags")
 
 
+def elastic_checks(args: argparse.Namespace) -> None:
+    """``--elastic``: the elastic pipeline (lockstep GPipe over global collectives,
+    ringtrain/strategies/pipeline/lockstep.py) and what it does not do."""
+    if args.schedule not in (None, "gpipe"):
+        raise UserError(f"--schedule {args.schedule} with --elastic --pipeline-stages: the elastic "
+                        f"pipeline runs GPipe in lockstep ticks; drop --schedule or use gpipe")
+    args.schedule = "gpipe"
+    refused = [("--checkpoint-activations", args.checkpoint_activations),
+               ("--partition time", args.partition == "time"),
+               ("--precision bf16", getattr(args, "precision", "fp32") != "fp32"),
+               ("--clip-grad-norm", getattr(args, "clip_grad_norm", None) is not None),
+               ("--fp16-allreduce", args.fp16_allreduce),
+               ("--gradient-predivide-factor", args.gradient_predivide_factor != 1.0),
+               ("--shard-optimizer", getattr(args, "shard_optimizer", False)),
+               ("--resume", args.resume)]
+    for flag, given in refused:
+        if given:
+            raise UserError(f"{flag} with --elastic --pipeline-stages is not supported by the "
+                            f"elastic pipeline yet (docs/pipeline.md, \"Elastic pipeline\"); drop "
+                            f"{flag.split()[0]}")
+
+
 def check_world(args: argparse.Namespace, world_size: int) -> None:
-    """Right after ``hvd.init()``, on every rank: S divides the world."""
+    """Right after ``hvd.init()``, on every rank: S divides the world (elastic: at least S
+    ranks, the rest spares)."""
+    if args.elastic:
+        if world_size < args.pipeline_stages:
+            raise UserError(f"--elastic --pipeline-stages {args.pipeline_stages} needs at least "
+                            f"{args.pipeline_stages} processes, got {world_size}")
+        return
     check_stages_divide(args.pipeline_stages, world_size)
