@@ -96,7 +96,7 @@ def check(args: argparse.Namespace) -> None:
 
 def _check_shard(args: argparse.Namespace) -> None:
     """--shard-optimizer's combinations that the framework-free flags can refuse (--strategy ps
-    refuses it in :func:`ring_only`, which its checks call)."""
+    refuses it in :func:`check_servers`, which its checks call)."""
     if getattr(args, "pipeline_stages", 1) > 1 or getattr(args, "strategy", None) == "pipeline":
         raise UserError("--shard-optimizer with --pipeline-stages: stages already split the "
                         "model and its state; sharding a stage's state over its replicas is not "
@@ -151,19 +151,20 @@ def given(args: argparse.Namespace) -> list[str]:
     return found
 
 
-def ring_only(args: argparse.Namespace, strategy: str) -> None:
-    """The ring and the pipeline train with these flags; the parameter servers refuse them, for
-    now, in one line."""
+def check_servers(args: argparse.Namespace, strategy: str) -> None:
+    """The parameter servers apply the built-in optimizers (--weight-decay and --clip-grad-norm
+    too, and their workers compute in bfloat16 under --precision bf16); they refuse, in one line,
+    a factory's optimizer (the servers update slices element by element with their own
+    arithmetic) and --shard-optimizer."""
     if getattr(args, "shard_optimizer", False):
         why = ("the servers already hold each slice's optimizer state once"
                if "ps" in strategy else "stages already split the model; not supported for now")
         raise UserError(f"--shard-optimizer works on the ring only ({strategy}: {why}); drop "
                         f"--shard-optimizer")
-    found = given(args)
-    if found:
-        raise UserError(f"{found[0]} works with the ring and the pipeline, not yet with "
-                        f"{strategy}, whose servers apply SGD (--momentum) in float32; drop "
-                        f"{found[0]}")
+    if args.optimizer not in BUILTIN:
+        raise UserError(f"--optimizer {args.optimizer} with {strategy}: the servers apply a "
+                        f"built-in optimizer ({', '.join(BUILTIN)}) to their slices, element by "
+                        f"element, not your factory's; use a built-in, or the ring")
 
 
 def describe(args: argparse.Namespace, bf16_instructions: bool | None = None) -> str | None:

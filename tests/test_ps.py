@@ -16,6 +16,7 @@ the job ends.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import pickle
@@ -123,10 +124,13 @@ class Job:
                  dies: dict[int, int] | None = None, deadline: float = TIMEOUT,
                  live_lr: Callable[[int, int, int], float] | None = None,
                  snapshots: Path | None = None, every: int = 4, first_epoch: int = 1,
-                 stop_at: int | None = None, v0: np.ndarray | None = None) -> None:
+                 stop_at: int | None = None, v0: np.ndarray | None = None,
+                 optimizer: str = "sgd", weight_decay: float = 0.0,
+                 clip: float | None = None, state0: list | None = None) -> None:
         self.roles = ps.Roles(servers, servers + workers)
         self.cfg = ps.Config(self.roles, size, staleness, momentum, rule, steps, lr,
-                             deadline=deadline, tick=0.02, live_lr=live_lr)
+                             deadline=deadline, tick=0.02, live_lr=live_lr, optimizer=optimizer,
+                             weight_decay=weight_decay, clip=clip)
         self.net = Net()
         self.epochs, self.grad, self.delay = epochs, grad, delay
         self.first_epoch = first_epoch
@@ -134,10 +138,14 @@ class Job:
         # snapshots: each server's Store in that folder (its update mark started), every N updates
         self.stores = [snapshot.Store(snapshots, layout(self.cfg, s), every)
                        for s in range(servers)] if snapshots is not None else [None] * servers
+        # state0: each server's (optimizer state, step count) to start from (v0: SGD's velocity)
         self.servers = [ps.Server(self.cfg, self.net.link(s), s, self.w0[self.cfg.slice(s)],
                                   None if v0 is None else v0[self.cfg.slice(s)].copy(),
+                                  state=None if state0 is None else state0[s][0],
+                                  steps=0 if state0 is None else state0[s][1],
                                   silent=silent, on_dead=on_dead, store=self.stores[s])
                         for s in range(servers)]
+        self.states: dict[tuple[int, int], tuple[dict, int]] = {}  # (server, epoch) -> its end's
         self.workers = [ps.Worker(self.cfg, self.net.link(self.roles.worker_rank(w)), w)
                         for w in range(workers)]
         self.trained: list[tuple] = []  # every batch a gradient was computed on
@@ -161,6 +169,8 @@ class Job:
             self.full[s] = full
             v = server.velocity
             self.ends[(s, epoch)] = (full.copy(), None if v is None else v.copy())
+            self.states[(s, epoch)] = ({k: a.copy() for k, a in server.opt.state().items()},
+                                       server.opt.steps)
 
     def _work(self, w: int) -> None:
         worker, rank = self.workers[w], self.roles.worker_rank(w)
@@ -1007,7 +1017,7 @@ def layout(cfg: ps.Config, index: int, **changes) -> snapshot.Layout:
     """A test job's snapshot layout: the run's (ParameterServerRun._store), for the fake model."""
     fields = dict(framework="fake", model="softmax-v1", param_count=cfg.size, size=cfg.size,
                   server=index, servers=cfg.roles.servers, rule=cfg.rule,
-                  state=ps.state_names(cfg.momentum),
+                  state=ps.state_names(cfg.momentum, cfg.optimizer), optimizer=cfg.optimizer,
                   batches={"workers": cfg.roles.workers, "steps": cfg.steps, "rows": 4, "seed": 42,
                            "shuffle": True, "train_size": 96})
     fields.update(changes)
@@ -1083,14 +1093,17 @@ def resume_from_snapshots(job: Job, epoch: int) -> tuple[list, list]:
     for s, server in enumerate(job.servers):
         snap = snaps[s]
         server.resume(epoch, snap.updates if snap else 0, masks[s], everyone,
-                      snap.weights if snap else None, snap.state if snap else None)
+                      snap.weights if snap else None, snap.state if snap else None,
+                      snap.steps if snap else None)
     return snaps, marks
 
 
-@pytest.mark.parametrize("staleness,servers,lacking", [
-    (0, 2, False), (4, 1, False), (None, 2, False), (None, 2, True)])
+@pytest.mark.parametrize("staleness,servers,lacking,optimizer", [
+    (0, 2, False, "sgd"), (4, 1, False, "sgd"), (None, 2, False, "sgd"), (None, 2, True, "sgd"),
+    (0, 2, False, "adamw")])
 def test_a_job_resumed_from_its_servers_snapshots_ends_as_if_never_stopped(tmp_path, staleness,
-                                                                          servers, lacking):
+                                                                          servers, lacking,
+                                                                          optimizer):
     """3 workers x 8 batches, 2 epochs.  The job stops for good once 10 gradients of epoch 2 are
     computed (every rank: the servers time out), its servers having written a snapshot every
     --commit-every updates; a new job resumes epoch 2 from the epoch-1 weights (the checkpoint)
@@ -1101,7 +1114,9 @@ def test_a_job_resumed_from_its_servers_snapshots_ends_as_if_never_stopped(tmp_p
     the batches no snapshot held, each once; each server lost the updates after its snapshot,
     counted from its update mark: at most --commit-every.  ``lacking``: server 1's snapshot is
     gone, so it restarts the epoch from the checkpoint while server 0 keeps its 8 updates: the
-    batches server 0 holds are trained again and server 0 receives them without applying them."""
+    batches server 0 holds are trained again and server 0 receives them without applying them.
+    ``adamw`` (with weight decay and --clip-grad-norm): the snapshots' and the checkpoint's Adam
+    moments and step counts resume it bit for bit too."""
     workers, steps, epochs, every = 3, 8, 2, 2 if staleness == 0 else 4
     if staleness == 0:
         problem = Problem(n_train=96)
@@ -1113,6 +1128,8 @@ def test_a_job_resumed_from_its_servers_snapshots_ends_as_if_never_stopped(tmp_p
         size, momentum, w0 = 10, 0.0, None
         grad, lr = counted_grad(10), lambda e, t: 3 / 16
     same = dict(size=size, steps=steps, epochs=epochs, momentum=momentum, lr=lr, grad=grad)
+    if optimizer == "adamw":
+        same.update(momentum=None, optimizer="adamw", weight_decay=0.01, clip=0.05)
     whole = Job(servers, workers, staleness, w0=w0, **same).run().check()
     stopped = Job(servers, workers, staleness, w0=w0, snapshots=tmp_path, every=every,
                   stop_at=workers * steps + 10, deadline=3.0, **same).run()
@@ -1123,9 +1140,11 @@ def test_a_job_resumed_from_its_servers_snapshots_ends_as_if_never_stopped(tmp_p
         for p in tmp_path.glob("ps-server1of2-*.npz"):
             p.unlink()
     weights = stopped.ends[(0, 1)][0]  # the epoch-1 checkpoint: weights and momentum
-    v0 = (np.concatenate([stopped.ends[(s, 1)][1] for s in range(servers)]) if momentum else None)
+    v0 = (np.concatenate([stopped.ends[(s, 1)][1] for s in range(servers)])
+          if same["momentum"] else None)
+    state0 = ([stopped.states[(s, 1)] for s in range(servers)] if optimizer != "sgd" else None)
     resumed = Job(servers, workers, staleness, w0=weights, v0=v0, snapshots=tmp_path, every=every,
-                  first_epoch=2, **same)
+                  first_epoch=2, state0=state0, **same)
     snaps, marks = resume_from_snapshots(resumed, 2)
     resumed.run().check()
     for full in resumed.full.values():
@@ -1390,3 +1409,204 @@ def test_the_runs_snapshots_fresh_run_clears_them_resume_takes_them_a_bad_one_en
     with pytest.raises(UserError) as err:
         worker._open_snapshots(fixed, None)
     assert str(err.value) == line
+
+
+# --- the servers' optimizers, clipping (issue #54) ------------------------------------------------
+
+def framework_optimizer(rule: str, name: str, w0: np.ndarray, momentum: float | None, wd: float,
+                        clip: float | None):
+    """The ring's optimizer over the whole vector ``w0``, built by the ring's own builders
+    (``torch_models.optimizers.build``, clipped by ``clip_grad_norm_`` as ``TorchRun.step`` does;
+    ``tf_models.optimizers.build``, Keras' ``global_clipnorm`` and ``RingUpdate``'s L2 term):
+    ``(step(grad, lr), weights(), state())``, its state under the servers' names."""
+    args = argparse.Namespace(optimizer=name, weight_decay=wd, momentum=momentum,
+                              clip_grad_norm=clip)
+    if rule == "torch":
+        import torch
+
+        from torch_models import optimizers as torch_optimizers
+
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.from_numpy(w0.copy()))
+        opt = torch_optimizers.build(args, model, 0.1, None)
+
+        def step(grad: np.ndarray, lr: float) -> None:
+            model.w.grad = torch.from_numpy(grad.copy())
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+
+        keys = {"velocity": "momentum_buffer", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
+                "square_avg": "square_avg"}
+
+        def torch_state() -> dict[str, np.ndarray]:
+            held = opt.state[model.w]
+            return {name: held[key].numpy().copy() for name, key in keys.items()
+                    if held.get(key) is not None}
+
+        return step, lambda: model.w.detach().numpy().copy(), torch_state
+    keras = pytest.importorskip("keras")
+    from tf_models import optimizers as keras_optimizers
+
+    var = keras.Variable(w0.copy())
+    opt = keras_optimizers.build(args, 0.1, 1)
+    opt.build([var])
+
+    def keras_step(grad: np.ndarray, lr: float) -> None:
+        opt.learning_rate = lr
+        opt.apply_gradients([(keras.ops.convert_to_tensor(grad), var)])
+
+    def keras_state() -> dict[str, np.ndarray]:
+        slots = {"velocity": getattr(opt, "momentums", None) or getattr(opt, "_momentums", []),
+                 "exp_avg": getattr(opt, "_momentums", []) if name.startswith("adam") else [],
+                 ("square_avg" if name == "rmsprop" else "exp_avg_sq"): getattr(opt, "_velocities", [])}
+        if name.startswith("adam"):
+            slots["velocity"] = []
+        return {k: np.asarray(v[0].numpy(), np.float32).copy() for k, v in slots.items() if v}
+
+    return keras_step, lambda: np.asarray(var.numpy(), np.float32).copy(), keras_state
+
+
+OPTIMIZER_CASES = [("sgd", 0.9, 0.0), ("sgd", 0.9, 0.01), ("sgd", 0.0, 0.01), ("adam", None, 0.0),
+                   ("adam", None, 0.01), ("adamw", None, 0.01), ("rmsprop", 0.0, 0.01),
+                   ("rmsprop", 0.5, 0.0)]
+
+
+@pytest.mark.parametrize("rule", ["torch", "keras"])
+@pytest.mark.parametrize("name,momentum,wd", OPTIMIZER_CASES)
+def test_each_servers_optimizer_on_its_slices_is_the_frameworks_on_the_whole(rule, name, momentum,
+                                                                               wd):
+    """Each built-in optimizer, applied by two servers to their slices of one vector, equals the
+    ring's optimizer of that framework (torch.optim, or the Keras classes with the ring's L2
+    term) on the whole vector, step after step at a changing LR, to float32 rounding."""
+    rng = np.random.default_rng(5)
+    w0 = rng.normal(0, 1, 50).astype(np.float32)
+    step, weights, state = framework_optimizer(rule, name, w0, momentum, wd, None)
+    w = w0.copy()
+    slices = (slice(0, 20), slice(20, 50))
+    opts = [ps.slice_optimizer(name, w[sl], rule, momentum or 0.0, wd) for sl in slices]
+    scale = (10.0 ** rng.integers(-5, 1, 50)).astype(np.float32)  # small ones: where epsilon counts
+    for i in range(6):
+        g = rng.normal(0, 1, 50).astype(np.float32) * scale
+        lr = 0.01 * (1 + i)
+        step(g, lr)
+        for opt, sl in zip(opts, slices, strict=True):
+            opt.apply(g[sl], lr)
+    np.testing.assert_allclose(w, weights(), rtol=2e-5, atol=2e-6)
+    assert not np.allclose(w, w0)
+    theirs = state()  # the state too, closer: Adam's moments feel a constant off by 1e-5
+    assert sorted(theirs) == sorted(opts[0].state())
+    for key, array in theirs.items():
+        mine = np.concatenate([opt.state()[key] for opt in opts])
+        # (an element where the L2 term cancels the gradient is rounding's: atol by the scale)
+        np.testing.assert_allclose(mine, array, rtol=2e-6, atol=1e-6 * float(np.abs(array).max()))
+    assert opts[0].steps == 6 and list(opts[0].state()) == list(ps.state_names(momentum or 0.0, name))
+
+
+@pytest.mark.parametrize("rule", ["torch", "keras"])
+@pytest.mark.parametrize("servers", [1, 2])
+def test_staleness_0_with_adamw_decay_and_clipping_is_the_rings_math(rule, servers):
+    """K = 0, 3 workers, AdamW with weight decay and --clip-grad-norm: each step's mean gradient
+    clipped by its global norm over every server's slice (the servers exchange their sums of
+    squares), then one AdamW update: the ring's optimizer (torch.optim.AdamW after
+    clip_grad_norm_, Keras' AdamW with global_clipnorm) on the whole vector fed the same mean
+    gradients, to float32 rounding, whatever the slicing."""
+    problem, workers, rows, steps, clip = Problem(n_train=96), 3, 4, 8, 0.05
+    grad = softmax_grad(problem, rows, workers)
+    lr = lambda epoch, t: 0.01 + 0.002 * t  # noqa: E731
+    size = (problem.features + 1) * problem.classes
+    w0 = np.random.default_rng(1).normal(0, 0.1, size).astype(np.float32)
+    job = Job(servers, workers, 0, size=size, steps=steps, epochs=2, rule=rule, lr=lr, grad=grad,
+              w0=w0, optimizer="adamw", weight_decay=0.01, clip=clip).run().check()
+    step, weights, _ = framework_optimizer(rule, "adamw", w0, None, 0.01, clip)
+    norms = []
+    for epoch in (1, 2):
+        for t in range(steps):
+            want = weights()
+            grads = [grad(want, (epoch, w, t)) for w in range(workers)]
+            mean = grads[0].copy()
+            for g in grads[1:]:
+                mean += g
+            mean /= np.float32(workers)
+            norms.append(float(np.linalg.norm(mean.astype(np.float64))))
+            step(mean, lr(epoch, t))
+    assert max(norms) > clip  # the clip did clip
+    for full in job.full.values():
+        np.testing.assert_allclose(full, weights(), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(weights(), w0)
+    assert [server.opt.steps for server in job.servers] == [2 * steps] * servers
+
+
+@pytest.mark.parametrize("rule", ["torch", "keras"])
+def test_above_staleness_0_each_gradient_is_clipped_by_its_own_norm(rule):
+    """K > 0: each pushed gradient is applied alone, clipped by its own global norm (the worker
+    clips it, holding all of it): one worker at K = 2 over two servers is the framework's Adam
+    fed each gradient, clipped, at the LR."""
+    problem, rows, steps, clip = Problem(n_train=64), 8, 8, 0.05
+    grad = softmax_grad(problem, rows, 1)
+    size = (problem.features + 1) * problem.classes
+    w0 = np.random.default_rng(2).normal(0, 0.1, size).astype(np.float32)
+    job = Job(2, 1, 2, size=size, steps=steps, rule=rule, grad=grad, w0=w0, optimizer="adam",
+              clip=clip, lr=lambda e, t: 0.01).run().check()
+    step, weights, _ = framework_optimizer(rule, "adam", w0, None, 0.0, clip)
+    for t in range(steps):
+        step(grad(weights(), (1, 0, t)), 0.01)
+    np.testing.assert_allclose(job.full[2], weights(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_snapshot_round_trips_adams_state_and_step_count_and_refuses_another_optimizer(tmp_path):
+    """A server's snapshot holds Adam's moments (``state.exp_avg``, ``state.exp_avg_sq``) and its
+    step count exactly (a JSON integer: 2^53 + 1 is no float64, let alone float32); a server
+    resumed from it holds the same state and steps on alike.  A job of another optimizer refuses
+    it in one line naming both."""
+    cfg = dataclasses.replace(CFG, optimizer="adamw", momentum=None, weight_decay=0.01)
+    lay = layout(cfg, 0)
+    assert lay.state == ("exp_avg", "exp_avg_sq")
+    first = ps.Server(cfg, Net().link(0), 0, np.arange(10, dtype=np.float32))
+    for i in range(3):
+        first.opt.apply(np.linspace(-1, 1 + i, 10, dtype=np.float32), 0.1)
+    first.opt.steps = 2**53 + 1
+    done = np.zeros((cfg.roles.workers, cfg.steps), bool)
+    assert snapshot.Store(tmp_path, lay, 4).write(2, 4, first.opt.w, first.opt.state(), done,
+                                                  first.opt.steps)
+    snap = snapshot.Store(tmp_path, lay, 4).newest(2)
+    assert snap.steps == 2**53 + 1 and type(snap.steps) is int
+    assert sorted(snap.state) == ["exp_avg", "exp_avg_sq"]
+    second = ps.Server(cfg, Net().link(0), 0, np.zeros(10, np.float32))
+    second.resume(2, 4, done, done, snap.weights, snap.state, snap.steps)
+    assert second.opt.steps == first.opt.steps
+    for name, array in first.opt.state().items():
+        assert np.array_equal(second.opt.state()[name], array)
+    first.opt.steps = second.opt.steps = 7  # (a count Adam's bias correction can read)
+    g = np.full(10, 0.25, np.float32)
+    first.opt.apply(g, 0.1)
+    second.opt.apply(g, 0.1)
+    assert np.array_equal(first.weights, second.weights)
+    with pytest.raises(UserError) as err:
+        snapshot.Store(tmp_path, layout(CFG, 0), 4).newest(2)
+    one_line(err.value, f"snapshot {tmp_path / lay.file_name(2, 4)}",
+             "holds the state of --optimizer adamw, this job runs --optimizer sgd",
+             "resume with --optimizer adamw")
+
+
+def test_the_servers_apply_a_builtin_optimizer_and_refuse_a_factory_in_one_line():
+    """The servers' flags: --optimizer adamw, --weight-decay, --clip-grad-norm and --precision
+    bf16 pass; a factory's optimizer (the servers apply their own element-wise arithmetic) and
+    --shard-optimizer are one line each."""
+    from ringtrain import optimizer_spec
+
+    def args(**given):
+        base = dict(optimizer="sgd", weight_decay=0.0, clip_grad_norm=None, precision="fp32",
+                    shard_optimizer=False)
+        return argparse.Namespace(**{**base, **given})
+
+    optimizer_spec.check_servers(args(optimizer="adamw", weight_decay=0.01, clip_grad_norm=1.0,
+                                      precision="bf16"), "--strategy ps")
+    with pytest.raises(UserError) as err:
+        optimizer_spec.check_servers(args(optimizer="mypkg.opt:make"), "--strategy ps")
+    one_line(err.value, "--optimizer mypkg.opt:make with --strategy ps", "built-in optimizer")
+    with pytest.raises(UserError) as err:
+        optimizer_spec.check_servers(args(shard_optimizer=True), "--strategy ps")
+    one_line(err.value, "the servers already hold each slice's optimizer state once")

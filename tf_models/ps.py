@@ -3,11 +3,15 @@
 The twin of :mod:`torch_models.ps`: :class:`KerasPSRun` opens as every Keras run does
 (:func:`tf_models.startup.open_rank`, :meth:`~tf_models.run.KerasModelRun.open_model`), without
 the ring's recipe (no ``DistributedOptimizer``, no ``model.fit``); server 0
-(rank 0) keeps a plain ``keras.optimizers.SGD`` only to write and read checkpoints in the ring's
-format.  A step's gradient is one traced function (:func:`make_gradient`): K micro-batches under
+(rank 0) keeps the ring's optimizer (:func:`tf_models.optimizers.build`) only to write and read
+checkpoints in the ring's format.  ``--precision bf16``: the model was built under
+``mixed_bfloat16`` (:meth:`~tf_models.run.KerasModelRun.open_model`, as the ring's), so it
+computes in bfloat16 and keeps float32 variables, whose gradients the servers get.  A step's
+gradient is one traced function (:func:`make_gradient`): K micro-batches under
 ``tf.GradientTape``, each loss weighted 1/K, as the ring's ``fit`` computes it before the
 allreduce.  Keras keeps momentum as ``m = mu m - lr g; w += m`` (the ``keras`` rule of
-:class:`ringtrain.strategies.ps.engine.SliceSGD`): its momentum slots hold the servers' velocity as is.
+:class:`ringtrain.strategies.ps.engine.SliceSGD`): its momentum slots hold the servers' velocity as
+is, and so do Adam's and RMSprop's slots the servers' moments (:func:`slots`).
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from ringtrain import optimizer_spec
 from ringtrain.errors import UserError
 from ringtrain.strategies.ps import options as ps_options
 from ringtrain.strategies.ps.run import ParameterServerRun
 from ringtrain.training import startup
+from tf_models import optimizers
 from tf_models.horovod_keras import sparse_logits_loss
 from tf_models.run import KerasModelRun
 
@@ -50,6 +56,16 @@ def make_gradient(net: keras.Model, k: int, micro: int):
     return gradient
 
 
+def slots(optimizer: keras.optimizers.Optimizer, name: str) -> list:
+    """The Keras optimizer's variables holding the servers' state array ``name``
+    (:func:`ringtrain.strategies.ps.engine.state_names`)."""
+    if name == "velocity":  # SGD's momentum, RMSprop's momentum buffer
+        return list(getattr(optimizer, "momentums", None) or optimizer._momentums)
+    if name == "exp_avg":
+        return list(optimizer._momentums)
+    return list(optimizer._velocities)  # exp_avg_sq (Adam), square_avg (RMSprop)
+
+
 class KerasPSRun(ParameterServerRun, KerasModelRun):
     """The parameter servers' framework-free half (:class:`ParameterServerRun`) with a Keras rank
     that holds the whole model (:class:`~tf_models.run.KerasModelRun`)."""
@@ -71,8 +87,12 @@ class KerasPSRun(ParameterServerRun, KerasModelRun):
                             f"{', '.join(odd)} ones; use float32 parameters or the ring")
         self.optimizer = None
         if self.world.rank == 0:
-            self.optimizer = keras.optimizers.SGD(learning_rate=self.target_lr,
-                                                  momentum=self.args.momentum)
+            if optimizer_spec.plain_sgd(self.args) and self.args.clip_grad_norm is None:
+                self.optimizer = keras.optimizers.SGD(learning_rate=self.target_lr,
+                                                      momentum=self.args.momentum)
+            else:  # the ring's (its K micro-batch steps counted as Horovod's wrapper counts them)
+                self.optimizer = optimizers.build(self.args, self.target_lr,
+                                                  self.args.backward_passes_per_step)
             self.optimizer.build(self.trained)
         self.start_epoch = startup.resume_epoch(self.world, self.args, self.restore)
 
@@ -95,22 +115,25 @@ class KerasPSRun(ParameterServerRun, KerasModelRun):
         self.loss_sum += total
         return grad.numpy(), total / max(len(y), 1), len(y)
 
-    def get_velocity(self) -> np.ndarray | None:
-        if not self.args.momentum:
-            return None
-        return np.concatenate([np.asarray(m.numpy(), np.float32).reshape(-1)
-                               for m in self.optimizer.momentums])
+    def get_state(self) -> tuple[dict[str, np.ndarray], int]:
+        arrays = {name: np.concatenate([np.asarray(m.numpy(), np.float32).reshape(-1)
+                                        for m in slots(self.optimizer, name)])
+                  for name in self.state_names()}
+        micro = getattr(self.optimizer, "micro_steps", 1)
+        return arrays, int(self.optimizer._iterations.numpy()) // micro
 
-    def set_velocity(self, flat: np.ndarray | None, steps: int, lr: float) -> None:
-        self.optimizer.iterations.assign(steps)
+    def set_state(self, arrays: dict[str, np.ndarray], count: int, steps: int, lr: float) -> None:
+        # Adam's bias correction reads the iterations: the servers' count (K micro-batch steps
+        # each, as Horovod's wrapper counts them); SGD's: the schedule's position, as always.
+        micro = getattr(self.optimizer, "micro_steps", 1)
+        self.optimizer._iterations.assign(steps if self.args.optimizer == "sgd" else count * micro)
         self.optimizer.learning_rate = lr
-        if flat is None:
-            return
-        start = 0
-        for m in self.optimizer.momentums:
-            n = int(np.prod(m.shape))
-            m.assign(flat[start:start + n].reshape(m.shape))
-            start += n
+        for name, flat in arrays.items():
+            start = 0
+            for m in slots(self.optimizer, name):
+                n = int(np.prod(m.shape))
+                m.assign(flat[start:start + n].reshape(m.shape))
+                start += n
 
     def _statistics(self) -> list:
         return [w for w in self.net.non_trainable_weights

@@ -5,11 +5,14 @@ initialise, pin, the data; then the whole model and the checks,
 :meth:`~torch_models.run.TorchModelRun.open_model`), without the ring's recipe: no
 ``DistributedOptimizer``, no broadcast.  MPI is initialised by mpi4py first
 (:func:`ringtrain.strategies.ps.transport.start`), Horovod runs the start-up's collectives and is
-shut down once the run is open; server 0 (rank 0) keeps a
-plain ``torch.optim.SGD`` only to write and read checkpoints in the ring's format.  What the
-engine asks of PyTorch: the trainable parameters as one flat float32 vector and back, one step's
-gradient as one, and the momentum buffers (``momentum_buffer``: ``v = mu v + g``, the ``torch``
-rule of :class:`ringtrain.strategies.ps.engine.SliceSGD`).
+shut down once the run is open; server 0 (rank 0) keeps the ring's optimizer
+(:func:`torch_models.optimizers.build`: ``--optimizer``, ``--weight-decay``) only to write and
+read checkpoints in the ring's format.  What the engine asks of PyTorch: the trainable parameters
+as one flat float32 vector and back, one step's gradient as one (``--precision bf16``: its
+forward under bfloat16 autocast, as the ring's, the weights and the gradient float32), and the
+optimizer's state under the servers' names (:data:`STATE_KEYS`: ``momentum_buffer`` is the
+``velocity`` of the ``torch`` rule, ``v = mu v + g``; Adam's moments; RMSprop's square average)
+with its step count.
 """
 
 from __future__ import annotations
@@ -21,11 +24,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ringtrain import optimizer_spec
 from ringtrain.errors import UserError
 from ringtrain.strategies.ps import options as ps_options
 from ringtrain.strategies.ps.run import ParameterServerRun
 from ringtrain.training import startup
+from torch_models import optimizers
 from torch_models.run import TorchModelRun
+
+# the servers' names of the optimizer's state (ringtrain.strategies.ps.engine.state_names) ->
+# torch.optim's keys
+STATE_KEYS = {"velocity": "momentum_buffer", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
+              "square_avg": "square_avg"}
 
 
 class TorchPSRun(ParameterServerRun, TorchModelRun):
@@ -46,8 +56,13 @@ class TorchPSRun(ParameterServerRun, TorchModelRun):
         if odd:
             raise UserError(f"--strategy ps keeps the parameters as float32, and this model has "
                             f"{', '.join(odd)} ones; use float32 parameters or the ring")
-        self.optimizer = (torch.optim.SGD(self.trained, lr=self.target_lr, momentum=self.args.momentum)
-                          if self.world.rank == 0 else None)
+        self.optimizer = None
+        if self.world.rank == 0:
+            if optimizer_spec.plain_sgd(self.args):  # the optimizer this run always kept
+                self.optimizer = torch.optim.SGD(self.trained, lr=self.target_lr,
+                                                 momentum=self.args.momentum)
+            else:  # the ring's, so that its checkpoints resume either way
+                self.optimizer = optimizers.build(self.args, self.model, self.target_lr, None)
         self.start_epoch = startup.resume_epoch(self.world, self.args, self.restore)
 
     # --- the flat vector ----------------------------------------------------------------------
@@ -76,29 +91,41 @@ class TorchPSRun(ParameterServerRun, TorchModelRun):
         for micro in range(k):
             x, y = (x_all, y_all) if k == 1 else (x_all[micro * self.micro:][:self.micro],
                                                   y_all[micro * self.micro:][:self.micro])
-            loss = F.cross_entropy(model(x), y)
+            if self.args.precision == "bf16":  # bfloat16 compute, float32 weights (the ring's)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                    logits = model(x)
+                loss = F.cross_entropy(logits.float(), y)
+            else:
+                loss = F.cross_entropy(model(x), y)
             self.loss_sum.add_(loss.detach(), alpha=len(y))
             total += float(loss.detach()) * len(y)
             (loss / k if k > 1 else loss).backward()
         grad = torch.cat([p.grad.reshape(-1) for p in self.trained]).cpu().numpy()
         return grad, total / len(y_all), len(y_all)
 
-    def get_velocity(self) -> np.ndarray | None:
-        if not self.args.momentum:
-            return None
+    def get_state(self) -> tuple[dict[str, np.ndarray], int]:
         state = self.optimizer.state
-        return torch.cat([state[p]["momentum_buffer"].reshape(-1) if "momentum_buffer" in state[p]
-                          else torch.zeros(p.numel()) for p in self.trained]).cpu().numpy().copy()
+        arrays = {}
+        for name in self.state_names():
+            key = STATE_KEYS[name]
+            arrays[name] = torch.cat([state[p][key].reshape(-1).float().cpu()
+                                      if state[p].get(key) is not None else torch.zeros(p.numel())
+                                      for p in self.trained]).numpy().copy()
+        first = state[self.trained[0]] if self.trained else {}
+        return arrays, int(float(first.get("step", 0)))
 
-    def set_velocity(self, flat: np.ndarray | None, steps: int, lr: float) -> None:
+    def set_state(self, arrays: dict[str, np.ndarray], count: int, steps: int, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if flat is None:
-            return
+        counted = self.args.optimizer != "sgd"  # Adam's and RMSprop's state hold their step
         start = 0
         for p in self.trained:
-            buf = torch.from_numpy(flat[start:start + p.numel()].copy()).view_as(p).to(p.device)
-            self.optimizer.state[p]["momentum_buffer"] = buf
+            entry = self.optimizer.state[p]
+            for name, flat in arrays.items():
+                entry[STATE_KEYS[name]] = torch.from_numpy(
+                    flat[start:start + p.numel()].copy()).view_as(p).to(p.device)
+            if counted:
+                entry["step"] = torch.tensor(float(count), dtype=torch.float32)
             start += p.numel()
 
     def buffer_values(self) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 Ranks ``0 .. P-1`` serve, the others work.  The model's trainable parameters are one flat
 float32 vector of D values; server ``s`` holds the contiguous range ``bounds[s]:bounds[s+1]``
-of it (:func:`split`) and the momentum of that range only.  Contiguous ranges of one float32
+of it (:func:`split`) and the optimizer state of that range only.  Contiguous ranges of one float32
 vector balance the servers' bytes exactly (their sizes differ by at most one value, 4 bytes),
 whatever the tensors' sizes; giving each server whole tensors could not (the CNN's first dense
 layer holds 87% of its 184,586 parameters) and buys nothing, since workers send and receive
@@ -18,8 +18,13 @@ of the epoch is trained on once, and a slow worker no longer holds the epoch's e
 whole shard, only by the batch it is computing.  (With staleness 0 every worker is at the same
 step, so no batch changes hands: the ring's assignment.)
 
-The update rule, SGD with momentum in the framework's own form (``rule``: ``torch``:
-``v = mu v + g; w -= lr v``; ``keras``: ``v = mu v - lr g; w += v``, what its checkpoints hold):
+The update rule is ``--optimizer`` (:class:`SliceOptimizer`: SGD with momentum, Adam, AdamW,
+RMSprop, with ``--weight-decay`` decoupled for AdamW and an L2 term for the others), element-wise
+on the slice in the framework's own arithmetic (``rule``: ``torch`` as ``torch.optim``, e.g. SGD's
+``v = mu v + g; w -= lr v`` and Adam's ``sqrt(v) / sqrt(1 - b2^t) + eps``; ``keras`` as Keras,
+e.g. ``v = mu v - lr g; w += v`` and ``lr sqrt(1 - b2^t) / (1 - b1^t)`` with epsilon outside the
+correction: what its checkpoints hold).  Adam's step count counts the server's updates: one per
+step at staleness 0, one per gradient above (its bias correction fades N times sooner there).
 
 * **staleness 0** (synchronous through the servers): a server waits for the N gradients of step
   t, averages them in worker order and applies one update at the ring's LR for that step (the
@@ -50,12 +55,22 @@ The LR follows the workers still training (:meth:`Config.lr_for`).  A dropped wo
 back (it was frozen, not dead) gets a :data:`DROPPED` notice in answer to anything it sends, or
 at once where it waits for a reply, and leaves (:class:`Dropped`); nothing it sends is used.
 
+``--clip-grad-norm`` clips by the global norm over all parameters, every server's slice.  At
+staleness 0 it clips what the ring clips, the step's mean gradient: each server sums the squares
+of its slice of the mean (float64), sends that one number to every other server (a NORM message
+on the servers' tag, :data:`TAG_PEER`, naming the epoch and the step), sums all of them in server
+order (the same float on every server) and scales its slice by the framework's factor
+(:func:`clip_factor`: PyTorch's ``clip_grad_norm_``, Keras' ``global_clipnorm``) before the
+update; one server needs no message.  Above staleness 0 each gradient is applied alone as it
+arrives, so each is clipped by its own global norm, by the worker that computed it (it holds all
+of it) before it pushes: no server-to-server message, nothing in the header.
+
 A server with a snapshot store (``ringtrain.strategies.ps.snapshot``) writes its slice, its
-optimizer state (:meth:`SliceSGD.state`) and the batches of the epoch they hold every
-``--commit-every`` updates.  An epoch resumed from snapshots (:meth:`Server.resume`) goes on
-with the batches not every server holds: server 0 hands out only those (:meth:`Assigner.resume`),
-and a server whose snapshot holds one receives its gradient without applying it again, so each
-server applies every batch of the epoch once over both runs.
+optimizer state (:meth:`SliceOptimizer.state`, and its step count) and the batches of the epoch
+they hold every ``--commit-every`` updates. An epoch resumed from snapshots
+(:meth:`Server.resume`) goes on with the batches not every server holds: server 0 hands out only
+those (:meth:`Assigner.resume`), and a server whose snapshot holds one receives its gradient
+without applying it again, so each server applies every batch of the epoch once over both runs.
 
 Every message is one float32 array: an 8-value header (:data:`HEADER`, read as int32 through a
 view, the step's loss as float32) and, for pushes and replies, the slice.  Nothing is pickled.
@@ -87,7 +102,7 @@ KIND, EPOCH, OWNER, T, CLOCK, VERSION, FLAGS, LOSS = range(HEADER)
 # worker -> server
 PULL, PUSH, FINAL = 1, 2, 3
 # server -> worker, server -> server
-WEIGHTS, EXCHANGE, DEAD = 4, 5, 6
+WEIGHTS, EXCHANGE, DEAD, NORM = 4, 5, 6, 7
 # FLAGS of a reply: STOP (the weights stopped being finite: train no further).  DROPPED, in a
 # header-only WEIGHTS notice: the servers went on without this worker (it was silent), so it leaves.
 STOP, DROPPED = 1, 2
@@ -96,7 +111,7 @@ STOP, DROPPED = 1, 2
 TAG_UP, TAG_DOWN, TAG_PEER, TAG_CTRL, TAG_VERDICT = 11, 12, 13, 14, 15
 NONE = -1  # no batch assigned: the epoch's batches are all handed out
 KIND_NAMES = {PULL: "PULL", PUSH: "PUSH", FINAL: "FINAL", WEIGHTS: "WEIGHTS reply",
-              EXCHANGE: "EXCHANGE", DEAD: "DEAD notice"}
+              EXCHANGE: "EXCHANGE", DEAD: "DEAD notice", NORM: "NORM"}
 
 
 def header(buf: np.ndarray) -> np.ndarray:
@@ -192,22 +207,81 @@ def check_batch(me: str, peer: str, h: np.ndarray, workers: int, steps: int, wha
 
 # --- the servers' optimizer -----------------------------------------------------------------------
 
-class SliceSGD:
-    """SGD with momentum on one server's slice, in place, float32, in the framework's form."""
+BETAS, EPS, RMSPROP_ALPHA = (0.9, 0.999), 1e-8, 0.99  # ringtrain.optimizer_spec's (both frameworks)
+OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
 
-    def __init__(self, weights: np.ndarray, momentum: float, rule: str,
-                 velocity: np.ndarray | None = None) -> None:
+
+class SliceOptimizer:
+    """A built-in optimizer on one server's slice, element-wise, in place, float32, in the
+    framework's own arithmetic (``rule``: ``torch`` as ``torch.optim``, ``keras`` as
+    ``keras.optimizers`` with ``tf_models.optimizers.RingUpdate``'s L2 term).  :meth:`apply`
+    updates the weights ``w`` by a gradient (clipped by the caller) at ``lr``; :meth:`state` names
+    its float32 arrays (a snapshot's members, the checkpoint's state); :attr:`steps` counts the
+    updates applied (Adam's bias correction reads it; saved and restored with the state)."""
+
+    names: tuple[str, ...] = ()
+
+    def __init__(self, weights: np.ndarray, rule: str, weight_decay: float = 0.0) -> None:
         if rule not in ("torch", "keras"):
             raise ValueError(f"unknown momentum rule {rule!r}")
         self.w, self.rule = weights, rule
+        self.wd = np.float32(weight_decay)
+        self.steps = 0
+        self.tmp = np.empty_like(weights)
+
+    def apply(self, grad: np.ndarray, lr: float) -> None:
+        self.steps += 1
+        self.lr = float(lr)  # PyTorch's scalar arithmetic takes it as a Python float
+        self._apply(grad, np.float32(lr))
+
+    def _apply(self, grad: np.ndarray, lr32: np.float32) -> None:
+        raise NotImplementedError
+
+    def _l2(self, grad: np.ndarray) -> np.ndarray:
+        """PyTorch's L2 weight decay (``g + W w``, after clipping, before the update), in a buffer
+        of its own: ``grad`` is a received message, never written."""
+        if not self.wd:
+            return grad
+        out = np.multiply(self.w, self.wd)
+        out += grad
+        return out
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The optimizer's state for the slice, as named float32 arrays of its length (what a
+        snapshot holds, besides :attr:`steps`)."""
+        return {name: getattr(self, "_" + name) for name in self.names}
+
+    def load_state(self, arrays: dict[str, np.ndarray], steps: int | None = None) -> None:
+        """Copy ``arrays`` (:meth:`state`'s names and lengths, checked by the caller) in, and
+        the step count where given."""
+        mine = self.state()
+        if set(arrays) != set(mine):
+            raise ValueError(f"optimizer state {sorted(arrays)}, expected {sorted(mine)}")
+        for name, array in arrays.items():
+            mine[name][:] = array
+        if steps is not None:
+            self.steps = int(steps)
+
+
+class SliceSGD(SliceOptimizer):
+    """SGD with momentum on one server's slice, in place, float32, in the framework's form
+    (``--weight-decay``: the L2 term, PyTorch's ``weight_decay``, as both trainers add it)."""
+
+    def __init__(self, weights: np.ndarray, momentum: float, rule: str,
+                 velocity: np.ndarray | None = None, weight_decay: float = 0.0) -> None:
+        super().__init__(weights, rule, weight_decay)
         self.mu = np.float32(momentum)
         self.v = None
         if momentum:
             self.v = np.zeros_like(weights) if velocity is None else velocity
-        self.tmp = np.empty_like(weights)
+            self.names = ("velocity",)
 
-    def apply(self, grad: np.ndarray, lr: float) -> None:
-        lr32 = np.float32(lr)
+    @property
+    def _velocity(self) -> np.ndarray | None:
+        return self.v
+
+    def _apply(self, grad: np.ndarray, lr32: np.float32) -> None:
+        grad = self._l2(grad)
         if self.v is None:
             np.multiply(grad, lr32, out=self.tmp)
             self.w -= self.tmp
@@ -222,23 +296,148 @@ class SliceSGD:
             self.v -= self.tmp
             self.w += self.v
 
-    def state(self) -> dict[str, np.ndarray]:
-        """The optimizer's state for the slice, as named float32 arrays of its length (what a
-        snapshot holds: another optimizer's moments would be more names, not another format)."""
-        return {} if self.v is None else {"velocity": self.v}
 
-    def load_state(self, arrays: dict[str, np.ndarray]) -> None:
-        """Copy ``arrays`` (:meth:`state`'s names and lengths, checked by the caller) in."""
-        mine = self.state()
-        if set(arrays) != set(mine):
-            raise ValueError(f"optimizer state {sorted(arrays)}, expected {sorted(mine)}")
-        for name, array in arrays.items():
-            mine[name][:] = array
+class SliceAdam(SliceOptimizer):
+    """Adam, or AdamW (``decoupled``: ``w -= lr W w`` before the update, both frameworks' AdamW);
+    Adam's ``--weight-decay`` is the L2 term.  ``torch``: ``torch.optim.Adam``'s bias correction
+    (``lr / (1 - b1^t)``, ``sqrt(v) / sqrt(1 - b2^t) + eps``); ``keras``: Keras' (``alpha = lr
+    sqrt(1 - b2^t) / (1 - b1^t)``, ``m alpha / (sqrt(v) + eps)``: epsilon outside the correction)."""
+
+    names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, weights: np.ndarray, rule: str, weight_decay: float = 0.0,
+                 decoupled: bool = False) -> None:
+        super().__init__(weights, rule, 0.0 if decoupled else weight_decay)
+        self.decay_value = float(weight_decay if decoupled else 0.0)
+        self.decay = np.float32(self.decay_value)
+        self._exp_avg, self._exp_avg_sq = np.zeros_like(weights), np.zeros_like(weights)
+        self.b1, self.b2 = (np.float32(b) for b in BETAS)
+        self.eps = np.float32(EPS)
+
+    def _apply(self, grad: np.ndarray, lr32: np.float32) -> None:
+        m, v, tmp, t = self._exp_avg, self._exp_avg_sq, self.tmp, self.steps
+        if self.decay:  # decoupled, first: torch's p.mul_(1 - lr W); Keras' w -= w W lr
+            if self.rule == "torch":
+                self.w *= np.float32(1 - self.lr * self.decay_value)
+            else:
+                np.multiply(self.w, self.decay, out=tmp)
+                tmp *= lr32
+                self.w -= tmp
+        grad = self._l2(grad)
+        if self.rule == "torch":
+            # exp_avg.lerp_(g, 1 - b1); exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
+            np.subtract(grad, m, out=tmp)
+            tmp *= np.float32(1 - BETAS[0])
+            m += tmp
+            v *= self.b2
+            np.multiply(grad, grad, out=tmp)
+            tmp *= np.float32(1 - BETAS[1])
+            v += tmp
+            step_size = self.lr / (1 - BETAS[0] ** t)
+            bc2_sqrt = (1 - BETAS[1] ** t) ** 0.5
+            np.sqrt(v, out=tmp)
+            tmp /= np.float32(bc2_sqrt)
+            tmp += self.eps
+            np.divide(m, tmp, out=tmp)
+            tmp *= np.float32(-step_size)
+            self.w += tmp
+        else:
+            # keras.optimizers.Adam: m += (g - m)(1 - b1); v += (g^2 - v)(1 - b2);
+            # w -= m alpha / (sqrt(v) + eps), alpha = lr sqrt(1 - b2^t) / (1 - b1^t) in float32
+            b1_power = np.float32(self.b1 ** np.float32(t))
+            b2_power = np.float32(self.b2 ** np.float32(t))
+            alpha = lr32 * np.sqrt(np.float32(1) - b2_power) / (np.float32(1) - b1_power)
+            # (1 - beta) in Python's float, then float32, as Keras and PyTorch both take it:
+            # 0.001, where float32's 1 - 0.999f is 0.00099998713)
+            np.subtract(grad, m, out=tmp)
+            tmp *= np.float32(1 - BETAS[0])
+            m += tmp
+            np.multiply(grad, grad, out=tmp)
+            tmp -= v
+            tmp *= np.float32(1 - BETAS[1])
+            v += tmp
+            np.sqrt(v, out=tmp)
+            tmp += self.eps
+            np.divide(np.multiply(m, np.float32(alpha)), tmp, out=tmp)
+            self.w -= tmp
 
 
-def state_names(momentum: float) -> tuple[str, ...]:
-    """The names of :meth:`SliceSGD.state`'s arrays for a ``momentum`` (none without)."""
-    return ("velocity",) if momentum else ()
+class SliceRMSprop(SliceOptimizer):
+    """RMSprop (alpha 0.99, PyTorch's), with momentum where given; ``--weight-decay``: the L2
+    term.  ``torch``: ``g / (sqrt(s) + eps)``, the momentum buffer without the LR; ``keras``:
+    ``lr g / sqrt(s + eps)``, the momentum buffer with it."""
+
+    def __init__(self, weights: np.ndarray, rule: str, weight_decay: float = 0.0,
+                 momentum: float = 0.0) -> None:
+        super().__init__(weights, rule, weight_decay)
+        self.mu = np.float32(momentum)
+        self._square_avg = np.zeros_like(weights)
+        self._velocity = np.zeros_like(weights) if momentum else None
+        self.names = ("square_avg", "velocity") if momentum else ("square_avg",)
+        self.rho, self.eps = np.float32(RMSPROP_ALPHA), np.float32(EPS)
+
+    def _apply(self, grad: np.ndarray, lr32: np.float32) -> None:
+        s, buf, tmp = self._square_avg, self._velocity, self.tmp
+        grad = self._l2(grad)
+        s *= self.rho  # square_avg.mul_(alpha).addcmul_(g, g, value=1 - alpha); Keras' the same
+        np.multiply(grad, grad, out=tmp)
+        tmp *= np.float32(1 - RMSPROP_ALPHA)
+        s += tmp
+        if self.rule == "torch":
+            np.sqrt(s, out=tmp)
+            tmp += self.eps
+            np.divide(grad, tmp, out=tmp)
+            if buf is not None:  # buf.mul_(mu).addcdiv_(g, avg); p.add_(buf, alpha=-lr)
+                buf *= self.mu
+                buf += tmp
+                np.multiply(buf, lr32, out=tmp)
+            else:  # p.addcdiv_(g, avg, value=-lr)
+                tmp *= lr32
+            self.w -= tmp
+        else:  # increment = lr g rsqrt(s + eps); m = mu m + increment; w -= m (or the increment)
+            np.add(s, self.eps, out=tmp)
+            np.sqrt(tmp, out=tmp)
+            np.divide(np.multiply(grad, lr32), tmp, out=tmp)
+            if buf is not None:
+                buf *= self.mu
+                buf += tmp
+                self.w -= buf
+            else:
+                self.w -= tmp
+
+
+def slice_optimizer(optimizer: str, weights: np.ndarray, rule: str, momentum: float = 0.0,
+                    weight_decay: float = 0.0) -> SliceOptimizer:
+    """``--optimizer`` (a built-in) on a slice: the servers' update."""
+    if optimizer == "sgd":
+        return SliceSGD(weights, momentum, rule, weight_decay=weight_decay)
+    if optimizer in ("adam", "adamw"):
+        return SliceAdam(weights, rule, weight_decay, decoupled=optimizer == "adamw")
+    if optimizer == "rmsprop":
+        return SliceRMSprop(weights, rule, weight_decay, momentum)
+    raise ValueError(f"the servers apply the built-in optimizers {OPTIMIZERS}, not {optimizer!r}")
+
+
+def state_names(momentum: float, optimizer: str = "sgd") -> tuple[str, ...]:
+    """The names of :meth:`SliceOptimizer.state`'s arrays for ``optimizer`` with ``momentum``
+    (SGD: ``velocity``, none without momentum; Adam(W): ``exp_avg``, ``exp_avg_sq``; RMSprop:
+    ``square_avg`` and, with momentum, ``velocity``)."""
+    return slice_optimizer(optimizer, np.zeros(0, np.float32), "torch", momentum).names
+
+
+def clip_factor(norm: float, clip: float, rule: str) -> float:
+    """The factor that clips gradients of global norm ``norm`` to ``clip``: PyTorch's
+    ``clip_grad_norm_`` (``min(1, clip / (norm + 1e-6))``), Keras' ``global_clipnorm``
+    (``clip min(1 / norm, 1 / clip)``)."""
+    if rule == "torch":
+        return min(1.0, clip / (norm + 1e-6))
+    return clip * min(1.0 / norm if norm else float("inf"), 1.0 / clip)
+
+
+def squares(x: np.ndarray) -> float:
+    """The sum of squares of ``x``, in float64."""
+    x64 = x.astype(np.float64)
+    return float(np.dot(x64, x64))
 
 
 # --- who trains which batch (server 0) -----------------------------------------------------------
@@ -401,6 +600,12 @@ class Config:
     # (epoch, step, n) -> the LR rule scaled for n workers (the run's: warm-up and scaling rule
     # with n); None: lr x n / workers, linear scaling
     live_lr: Callable[[int, int, int], float] | None = None
+    optimizer: str = "sgd"        # --optimizer, a built-in (SliceOptimizer)
+    weight_decay: float = 0.0     # --weight-decay (decoupled for adamw, an L2 term otherwise)
+    clip: float | None = None     # --clip-grad-norm: the global norm over all servers' slices
+
+    def make_optimizer(self, weights: np.ndarray) -> SliceOptimizer:
+        return slice_optimizer(self.optimizer, weights, self.rule, self.momentum, self.weight_decay)
 
     def lr_for(self, epoch: int, step: int, n: int) -> float:
         """The LR of ``step`` for ``n`` workers training: with a worker lost, the rule as the ring
@@ -448,7 +653,8 @@ class Server:
     """
 
     def __init__(self, cfg: Config, link: Link, index: int, weights: np.ndarray,
-                 velocity: np.ndarray | None = None, *,
+                 velocity: np.ndarray | None = None, *, state: dict[str, np.ndarray] | None = None,
+                 steps: int = 0,
                  silent: Callable[[], dict[int, float]] = dict,
                  on_dead: Callable[[int, float], bool] = lambda rank, quiet: False,
                  progress: Callable[[], None] = lambda: None,
@@ -456,7 +662,13 @@ class Server:
                  store: Any = None) -> None:
         self.cfg, self.link, self.index = cfg, link, index
         n, roles = cfg.length(index), cfg.roles
-        self.opt = SliceSGD(np.array(weights, dtype=np.float32), cfg.momentum, cfg.rule, velocity)
+        self.opt = cfg.make_optimizer(np.array(weights, dtype=np.float32))
+        if velocity is not None and state is None and "velocity" in self.opt.names:  # SGD's
+            state = {"velocity": velocity}
+        if state is not None:
+            self.opt.load_state(state, steps)
+        self.opt.steps = steps
+        self.step_index = 0  # K = 0: the epoch's steps taken (the servers' NORM messages name it)
         self.silent, self.on_dead, self.progress, self.on_step = silent, on_dead, progress, on_step
         w = roles.workers
         self.books = ServerBooks(applied=[0] * w, received=[0] * w, skipped=[0] * w,
@@ -491,17 +703,18 @@ class Server:
 
     @property
     def velocity(self) -> np.ndarray | None:
-        return self.opt.v
+        return self.opt.state().get("velocity")
 
     def resume(self, epoch: int, updates: int, mine: np.ndarray, everyone: np.ndarray,
-               weights: np.ndarray | None = None, state: dict[str, np.ndarray] | None = None) -> None:
+               weights: np.ndarray | None = None, state: dict[str, np.ndarray] | None = None,
+               steps: int | None = None) -> None:
         """Before ``epoch`` begins: the slice and the optimizer state of this server's snapshot
         (``weights``, ``state``; None: no snapshot, the slice stays the checkpoint's), taken after
         ``updates`` updates of the epoch holding the batches ``mine`` (bool, workers x steps);
         ``everyone``: the batches every server holds, which server 0 does not hand out again."""
         if weights is not None:
             self.opt.w[:] = weights
-            self.opt.load_state(state or {})
+            self.opt.load_state(state or {}, steps)
         self.resume_at = (epoch, updates, np.array(mine, bool), np.array(everyone, bool))
 
     def _post(self, w: int) -> None:
@@ -567,6 +780,7 @@ class Server:
         self.pending: dict[int, int] = {}  # worker -> the clock its reply waits for
         self.finals: set[int] = set()
         self.held: dict[int, tuple[int, int, int]] = {}  # K = 0: worker -> (owner, t, version)
+        self.step_index = 0
         self.pushes = [0] * self.cfg.roles.workers  # PUSHes accepted this epoch, per worker
 
     def epoch_done(self) -> bool:
@@ -715,16 +929,23 @@ class Server:
                 self.books.skipped[w] += 1
             if w not in self.dead:  # a dead one's receive is its tomb, already posted
                 self.clock[w] += 1
+        self.step_index += 1
+        clip = self.cfg.clip
+        if clip is not None:
+            # The norm of the step's mean gradient, all of it (a resumed epoch's skipped ones
+            # too: the step's gradient is theirs), over every server's slice.
+            self._mean(held)
+            norm = self._global_norm(squares(self.sum))
         if not workers:
             self.held = {}
             self._repost(held)
             self.progress()
             return
         t = self.held[workers[0]][1]
-        self.sum[:] = self.inbox[workers[0]][HEADER:]
-        for w in workers[1:]:
-            self.sum += self.inbox[w][HEADER:]
-        self.sum /= np.float32(len(workers))
+        if clip is None or workers != held:
+            self._mean(workers)
+        if clip is not None:
+            self.sum *= np.float32(clip_factor(norm, clip, self.cfg.rule))
         for w in workers:
             self.books.staleness[self.books.updates - self.held[w][2]] += 1
             self.done[self.held[w][0], self.held[w][1]] = True
@@ -734,6 +955,46 @@ class Server:
         self.held = {}
         self._repost(held)  # after the sum: a receive posted writes into its inbox buffer
         self._after_update(t, loss)
+
+    def _mean(self, workers: list[int]) -> None:
+        """``self.sum``: the mean of ``workers``' gradients, summed in worker order."""
+        self.sum[:] = self.inbox[workers[0]][HEADER:]
+        for w in workers[1:]:
+            self.sum += self.inbox[w][HEADER:]
+        self.sum /= np.float32(len(workers))
+
+    def _global_norm(self, mine: float) -> float:
+        """K = 0 with --clip-grad-norm: the global norm of the step's mean gradient from this
+        server's sum of squares ``mine`` and every other server's (one NORM message of a float64
+        to each, per step), summed in server order: the same float on every server."""
+        servers = self.cfg.roles.servers
+        if servers == 1:
+            return mine ** 0.5
+        msg = np.zeros(HEADER + 2, np.float32)
+        h = header(msg)
+        h[KIND], h[EPOCH], h[T] = NORM, self.epoch, self.step_index
+        msg[HEADER:].view(np.float64)[0] = mine
+        sends = [(s, self.link.isend(s, TAG_PEER, msg)) for s in range(servers) if s != self.index]
+        parts = {self.index: mine}
+        for s in range(servers):
+            if s == self.index:
+                continue
+            buf = np.zeros(HEADER + 2, np.float32)
+            got = self._wait(self.link.irecv(s, TAG_PEER, buf), f"server rank {s}")
+            hb = header(buf)
+            kind = int(hb[KIND]) if got >= HEADER else None
+            value = float(buf[HEADER:].view(np.float64)[0])
+            if (got != len(buf) or kind != NORM or int(hb[EPOCH]) != self.epoch
+                    or int(hb[T]) != self.step_index or value < 0):
+                refuse(f"server rank {self.index}", f"server rank {s}",
+                       f"a message of {values(got)}, kind {kind if kind is not None else '?'}, "
+                       f"epoch {int(hb[EPOCH])}, step {int(hb[T])}, squares {value!r}",
+                       f"its NORM of step {self.step_index} of epoch {self.epoch} ({len(buf)} "
+                       f"values, kind {NORM}, a sum of squares not below 0)")
+            parts[s] = value
+        for s, req in sends:
+            self._wait(req, f"server rank {s}")
+        return sum(parts[s] for s in range(servers)) ** 0.5
 
     def _repost(self, workers: list[int]) -> None:
         for w in workers:
@@ -762,7 +1023,7 @@ class Server:
         if self.diverged is not None:
             return
         seconds = self.store.write(self.epoch, self.epoch_updates, self.opt.w, self.opt.state(),
-                                   self.done)
+                                   self.done, self.opt.steps)
         if seconds is not None:
             books = self.books
             books.snapshots += 1
@@ -886,26 +1147,33 @@ class Server:
         return share_verdict(self.link, 0 if self.index == 0 else self.index, self.cfg,
                              sorted(self.dead), self._wait)
 
-    def exchange(self, full: np.ndarray, velocity: np.ndarray | None) -> None:
-        """Fill ``full`` (D values) with every server's weights, and on server 0 ``velocity``
-        (D values, when given) with every server's momentum: each server sends its slice to the
-        others, and its momentum to server 0."""
+    def exchange(self, full: np.ndarray, state: dict[str, np.ndarray] | np.ndarray | None = None
+                 ) -> None:
+        """Fill ``full`` (D values) with every server's weights, and on server 0 ``state`` (when
+        given: the optimizer's state arrays by name, D values each; an array: SGD's velocity)
+        with every server's optimizer state: each server sends its slice to the others, and its
+        state arrays with it to server 0."""
         cfg, roles = self.cfg, self.cfg.roles
+        if isinstance(state, np.ndarray):
+            state = {"velocity": state}
         full[cfg.slice(self.index)] = self.opt.w
-        momentum = self.opt.v is not None
-        if velocity is not None and momentum and self.index == 0:
-            velocity[cfg.slice(0)] = self.opt.v
+        mine_state = self.opt.state()
+        names = list(mine_state)
+        if state is not None and self.index == 0:
+            for name in names:
+                state[name][cfg.slice(0)] = mine_state[name]
         mine = np.concatenate([np.zeros(HEADER, np.float32), self.opt.w])
         header(mine)[KIND] = EXCHANGE
         sends, recvs = [], []
         for s in range(roles.servers):
             if s == self.index:
                 continue
-            out = np.concatenate([mine, self.opt.v]) if s == 0 and momentum else mine
+            out = np.concatenate([mine, *mine_state.values()]) if s == 0 and names else mine
             sends.append((s, self.link.isend(s, TAG_PEER, out)))
-            both = momentum and self.index == 0
-            buf = np.zeros(HEADER + cfg.length(s) * (2 if both else 1), np.float32)
+            both = bool(names) and self.index == 0
+            buf = np.zeros(HEADER + cfg.length(s) * (1 + len(names) if both else 1), np.float32)
             recvs.append((s, buf, self.link.irecv(s, TAG_PEER, buf)))
+        what = ("momentum" if names == ["velocity"] else "optimizer state")
         for s, buf, req in recvs:
             got = self._wait(req, f"server rank {s}")
             if got != len(buf) or int(header(buf)[KIND]) != EXCHANGE:
@@ -913,11 +1181,12 @@ class Server:
                        f"an exchange message of {values(got)} and kind "
                        f"{int(header(buf)[KIND]) if got >= HEADER else '?'}",
                        f"{len(buf)} values of kind {EXCHANGE} (its header, slice"
-                       f"{' and momentum' if len(buf) > HEADER + cfg.length(s) else ''})")
+                       f"{f' and {what}' if len(buf) > HEADER + cfg.length(s) else ''})")
             n = cfg.length(s)
             full[cfg.slice(s)] = buf[HEADER:HEADER + n]
-            if velocity is not None and len(buf) > HEADER + n:
-                velocity[cfg.slice(s)] = buf[HEADER + n:]
+            if state is not None and len(buf) > HEADER + n:
+                for i, name in enumerate(names):
+                    state[name][cfg.slice(s)] = buf[HEADER + n * (1 + i):HEADER + n * (2 + i)]
         for s, req in sends:
             self._wait(req, f"server rank {s}")
 
@@ -1066,6 +1335,11 @@ class Worker:
                 self.books.taken += 1
             use(self.weights)
             grad, loss = gradient(data)
+            if self.cfg.clip is not None and self.cfg.staleness != 0:
+                # K > 0: each gradient is applied alone, clipped by its own global norm (here,
+                # where the whole of it is); K = 0: the servers clip the step's mean.
+                factor = clip_factor(squares(grad) ** 0.5, self.cfg.clip, self.cfg.rule)
+                grad = grad * np.float32(factor)
             clock += 1
             self.books.last_loss = loss
             batch, flags = self._exchange(PUSH, epoch, clock, (owner, t), grad, loss)

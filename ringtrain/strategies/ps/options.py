@@ -53,7 +53,7 @@ def check_unused(args: argparse.Namespace) -> None:
 
 def validate(args: argparse.Namespace) -> None:
     staleness(args)
-    optimizer_spec.ring_only(args, "--strategy ps")  # for now: the servers' SGD in float32 alone
+    optimizer_spec.check_servers(args, "--strategy ps")  # built-ins only, no --shard-optimizer
     if ps_servers(args) < 1:
         raise UserError(f"--ps-servers must be at least 1, got {args.ps_servers}")
     refused = [

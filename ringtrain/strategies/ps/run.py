@@ -7,16 +7,17 @@ framework: mixed into a framework's run object (``torch_models.ps.TorchPSRun``,
 the same shards, the same LR rule, the same epoch records, exact metrics and checkpoints.  The
 framework's half only moves the model's trainable parameters to and from one flat float32 vector
 and computes a step's gradient as one (:meth:`get_flat`, :meth:`set_flat`, :meth:`flat_gradient`;
-:meth:`get_velocity`, :meth:`set_velocity` for server 0's checkpoints).
+:meth:`get_state`, :meth:`set_state` for server 0's checkpoints: the optimizer's state arrays
+by the servers' names, :func:`ringtrain.strategies.ps.engine.state_names`, and its step count).
 
 The run opens with every rank holding rank 0's weights (fresh or resumed: one ``Bcast``), and
-server 0 handing each server the momentum of its slice.  Each epoch: servers serve and workers
-work (:meth:`Server.serve_epoch`, :meth:`Worker.work_epoch`); server 0's verdict on dead workers
-reaches every survivor; the servers exchange their slices, so that every rank ends the epoch
-with the servers' weights (the workers got them in the reply to their FINAL); every rank learns
-whether the weights stayed finite; then :meth:`FixedLoop.end_epoch` as for the ring: exact test
-metrics on those weights, split over all ranks, and server 0's checkpoint (today's format, so
-``--resume`` works across strategies and any number of servers).
+server 0 handing each server the optimizer state of its slice (and its step count). Each epoch:
+servers serve and workers work (:meth:`Server.serve_epoch`, :meth:`Worker.work_epoch`); server 0's
+verdict on dead workers reaches every survivor; the servers exchange their slices, so that every
+rank ends the epoch with the servers' weights (the workers got them in the reply to their FINAL);
+every rank learns whether the weights stayed finite; then :meth:`FixedLoop.end_epoch` as for the
+ring: exact test metrics on those weights, split over all ranks, and server 0's checkpoint
+(today's format, so ``--resume`` works across strategies and any number of servers).
 
 Faults (docs/parameter-servers.md): a worker whose heartbeat stops for half the
 ``--stall-timeout`` is dead or frozen.  At any staleness the job goes on without it, if the
@@ -78,14 +79,21 @@ class ParameterServerRun(FrameworkRun):
         vector; the step's mean loss and examples (its loss sum added to take_loss_sum)."""
 
     @abstractmethod
-    def get_velocity(self) -> np.ndarray | None:
-        """Rank 0: the optimizer's momentum (restored, or zeros), flat; None without momentum."""
+    def get_state(self) -> tuple[dict[str, np.ndarray], int]:
+        """Rank 0: the optimizer's state (restored, or zeros), each array flat under the
+        servers' name for it (:func:`~ringtrain.strategies.ps.engine.state_names`), and its
+        step count (Adam's bias correction; 0 fresh)."""
 
     @abstractmethod
-    def set_velocity(self, flat: np.ndarray | None, steps: int, lr: float) -> None:
-        """Rank 0, before a checkpoint: the servers' momentum (None without) into the optimizer,
-        which also learns the schedule's position as the ring's would hold it (the optimizer
-        steps done, the last LR)."""
+    def set_state(self, arrays: dict[str, np.ndarray], count: int, steps: int, lr: float) -> None:
+        """Rank 0, before a checkpoint: the servers' optimizer state (flat, by name) and their
+        step count ``count`` into the optimizer, which also learns the schedule's position as
+        the ring's would hold it (the optimizer steps done, the last LR)."""
+
+    def state_names(self) -> tuple[str, ...]:
+        """The names of the servers' optimizer state arrays for this run's flags."""
+        a = self.args
+        return ps.state_names(a.momentum, getattr(a, "optimizer", "sgd"))
 
     @abstractmethod
     def buffer_values(self) -> np.ndarray:
@@ -171,29 +179,39 @@ class ParameterServerRun(FrameworkRun):
         self.set_flat(flat)
         self.size = len(flat)
         self.lost: list[int] = []
-        self.velocity0 = None
+        self.state0: dict[str, np.ndarray] | None = None
+        names = self.state_names()
+        full, count = self.get_state() if self._rank == 0 and names else ({}, 0)
+        counts = np.array([count], np.int64)  # the step count: every rank, one collective
+        self.world_comm.Bcast(counts, root=0)
+        self.steps0 = int(counts[0])
         if self.serves:
             try:
-                self.velocity0 = self._share_velocity(MPI)
+                self.state0 = self._share_state(MPI, names, full)
             except ps.BadMessage as err:  # the slice refused: its one line, as the engine's
                 watchdog.end_job(self._silent_line(err))
+        self.velocity0 = None if self.state0 is None else self.state0.get("velocity")
 
-    def _share_velocity(self, MPI) -> np.ndarray | None:
-        """Server 0's momentum (restored or zeros), one slice per server, point to point.  A
-        server checks what it received (the ``Status``'s count): a short message would have left
-        the rest of ``np.empty`` as momentum; a longer one is MPI's ``MPI_ERR_TRUNCATE``.  Either
-        is :class:`~ringtrain.strategies.ps.engine.BadMessage`."""
-        if not self.args.momentum:
+    def _share_state(self, MPI, names: tuple[str, ...],
+                     full: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """Server 0's optimizer state (restored or zeros), one message per server holding its
+        slice of every array, point to point.  A server checks what it received (the
+        ``Status``'s count): a short message would have left the rest of ``np.empty`` as state;
+        a longer one is MPI's ``MPI_ERR_TRUNCATE``.  Either is
+        :class:`~ringtrain.strategies.ps.engine.BadMessage`."""
+        if not names:
             return None
         bounds = ps.split(self.size, self.roles.servers)
         if self._rank == 0:
-            v = self.get_velocity()
-            v = np.zeros(self.size, np.float32) if v is None else v
+            arrays = [full.get(name) for name in names]
+            arrays = [np.zeros(self.size, np.float32) if a is None else a for a in arrays]
             for s in range(1, self.roles.servers):
-                self.link_comm.Send([np.ascontiguousarray(v[bounds[s]:bounds[s + 1]]), MPI.FLOAT],
+                out = np.concatenate([a[bounds[s]:bounds[s + 1]] for a in arrays])
+                self.link_comm.Send([np.ascontiguousarray(out, np.float32), MPI.FLOAT],
                                     dest=s, tag=ps.TAG_PEER)
-            return v[bounds[0]:bounds[1]].copy()
-        mine = np.empty(bounds[self._rank + 1] - bounds[self._rank], np.float32)
+            return {name: a[bounds[0]:bounds[1]].copy() for name, a in zip(names, arrays, strict=True)}
+        n = bounds[self._rank + 1] - bounds[self._rank]
+        mine = np.empty(n * len(names), np.float32)
         status = MPI.Status()
         try:
             self.link_comm.Recv([mine, MPI.FLOAT], source=0, tag=ps.TAG_PEER, status=status)
@@ -204,9 +222,13 @@ class ParameterServerRun(FrameworkRun):
                 raise
             count, got = None, "more values than that (MPI_ERR_TRUNCATE)"
         if count != len(mine):
-            ps.refuse(f"server rank {self._rank}", "server rank 0", f"its momentum slice of {got}",
-                      f"{len(mine)} values, the length of this server's slice")
-        return mine
+            what = ("its momentum slice" if names == ("velocity",) else
+                    f"its optimizer state slices ({', '.join(names)})")
+            per = ("the length of this server's slice" if len(names) == 1 else
+                   f"{len(names)} times the length of this server's slice")
+            ps.refuse(f"server rank {self._rank}", "server rank 0", f"{what} of {got}",
+                      f"{len(mine)} values, {per}")
+        return {name: mine[i * n:(i + 1) * n] for i, name in enumerate(names)}
 
     # --- the epochs -------------------------------------------------------------------------------
 
@@ -231,7 +253,9 @@ class ParameterServerRun(FrameworkRun):
 
         return ps.Config(self.roles, self.size, flags.staleness(a), a.momentum,
                          self.momentum_rule, fixed.steps, fixed.lr, deadline=deadline,
-                         live_lr=live_lr)
+                         live_lr=live_lr, optimizer=getattr(a, "optimizer", "sgd"),
+                         weight_decay=getattr(a, "weight_decay", 0.0),
+                         clip=getattr(a, "clip_grad_norm", None))
 
     def live_workers(self) -> int:
         """The workers still training: server 0's own count during an epoch (it drops them), the
@@ -251,7 +275,8 @@ class ParameterServerRun(FrameworkRun):
         store = self._store(fixed) if self.serves and self.args.checkpoint_dir else None
         if self.serves:
             self.server = ps.Server(cfg, self.link, self._rank, self.get_flat()[cfg.slice(self._rank)],
-                                    self.velocity0, silent=self._silent, on_dead=self._on_dead,
+                                    state=self.state0, steps=self.steps0,
+                                    silent=self._silent, on_dead=self._on_dead,
                                     progress=lambda: watchdog.progress(step=True),
                                     on_step=self._on_step, store=store)
         else:
@@ -288,7 +313,7 @@ class ParameterServerRun(FrameworkRun):
                    "shuffle": not a.no_shuffle, "train_size": fixed.n_train}
         layout = snapshot.Layout(ident.framework, ident.model_name, ident.param_count, self.size,
                                  self._rank, self.roles.servers, self.momentum_rule,
-                                 ps.state_names(a.momentum), batches)
+                                 self.state_names(), batches, getattr(a, "optimizer", "sgd"))
         return snapshot.Store(a.checkpoint_dir, layout, a.commit_every)
 
     def _open_snapshots(self, fixed: FixedLoop, store: snapshot.Store | None) -> None:
@@ -335,7 +360,8 @@ class ParameterServerRun(FrameworkRun):
         since = snap.updates if snap is not None else 0
         self.server.resume(epoch, since, masks[self._rank], everyone,
                            None if snap is None else snap.weights,
-                           None if snap is None else snap.state)
+                           None if snap is None else snap.state,
+                           None if snap is None else snap.steps)
         self.server.books.resumed = {
             "epoch": epoch, "from_update": since,
             "updates_lost": snapshot.lost_updates(mark, epoch, since),
@@ -367,15 +393,17 @@ class ParameterServerRun(FrameworkRun):
             self.set_flat(self.worker.weights)
             return
         full = np.empty(self.size, np.float32)
-        velocity = np.empty(self.size, np.float32) if self._rank == 0 and self.args.momentum else None
+        state = ({name: np.empty(self.size, np.float32) for name in self.state_names()}
+                 if self._rank == 0 else None)
         try:
-            self.server.exchange(full, velocity)
+            self.server.exchange(full, state)
         except ps.PeerSilent as err:
             watchdog.end_job(self._silent_line(err))
         self.set_flat(full)
         if self._rank == 0:
             fixed = self.fixed
-            self.set_velocity(velocity, epoch * fixed.steps, self.lr_now(epoch, fixed.steps - 1))
+            self.set_state(state, self.server.opt.steps, epoch * fixed.steps,
+                           self.lr_now(epoch, fixed.steps - 1))
 
     def _stop_if_diverged(self) -> None:
         """Every rank learns the first server whose weights stopped being finite, and all stop

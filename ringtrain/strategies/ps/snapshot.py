@@ -13,13 +13,16 @@ while it runs, and the bound would no longer hold.  Its name says what it holds:
 92293..184585 of the flat parameter vector, after 40 updates of epoch 2.  Members:
 
 * ``meta``: JSON text: the format, the model (framework, name, parameter count), the layout
-  (server, servers, values, the optimizer's rule and the names of its state arrays), the epoch's
-  batches (workers, steps, rows, seed, shuffle, training examples: what makes the epoch's batch
-  ``(owner, t)`` the same batch in the resumed job), the epoch and the updates;
+  (server, servers, values, the optimizer (``--optimizer``), its rule and the names of its state
+  arrays), the epoch's batches (workers, steps, rows, seed, shuffle, training examples: what
+  makes the epoch's batch ``(owner, t)`` the same batch in the resumed job), the epoch, the
+  updates, and the optimizer's step count (``optimizer_steps``, Adam's bias correction: a JSON
+  integer, exact at any count, where a float32 array would not be past 2^24);
 * ``weights``: the slice, float32;
 * ``state.NAME``: each of the optimizer's state arrays for the slice, float32 (SGD with momentum:
-  ``state.velocity``; none without momentum): a dict of named arrays, so that another optimizer's
-  state fits without a new format;
+  ``state.velocity``, none without momentum; Adam and AdamW: ``state.exp_avg``,
+  ``state.exp_avg_sq``; RMSprop: ``state.square_avg`` and, with momentum, ``state.velocity``);
+  a snapshot of another optimizer is refused in one line naming both;
 * ``done``: bool, workers x steps: the batches of the epoch whose gradients this slice holds.
 
 Beside them each server keeps ``ps-server1of2-values92293to184586.updates``, 24 bytes rewritten in
@@ -76,9 +79,10 @@ class Layout:
     size: int                     # the flat vector's length (the trainable parameters)
     server: int
     servers: int
-    rule: str                     # the optimizer's form ("torch" | "keras" SGD)
+    rule: str                     # the optimizer's form ("torch" | "keras" arithmetic)
     state: tuple[str, ...]        # the names of the optimizer's state arrays
     batches: Mapping[str, Any] = field(default_factory=dict)  # workers, steps, rows, seed, ...
+    optimizer: str = "sgd"        # --optimizer (a built-in: the servers apply it)
 
     @property
     def lo(self) -> int:
@@ -105,7 +109,8 @@ class Layout:
     def record(self) -> dict[str, Any]:
         return {"framework": self.framework, "model": self.model, "param_count": self.param_count,
                 "size": self.size, "server": self.server, "servers": self.servers,
-                "values": [self.lo, self.hi], "rule": self.rule, "state": list(self.state),
+                "values": [self.lo, self.hi], "optimizer": self.optimizer, "rule": self.rule,
+                "state": list(self.state),
                 "batches": dict(self.batches)}
 
 
@@ -117,6 +122,7 @@ class Snapshot:
     weights: np.ndarray
     state: dict[str, np.ndarray]
     done: np.ndarray               # bool, workers x steps
+    steps: int = 0                 # the optimizer's step count
 
 
 def _names(directory: Path) -> list[tuple[re.Match, Path]]:
@@ -191,13 +197,13 @@ class Store:
             self.warn(f"cannot record its updates in {self.mark_path.name} ({err.strerror})")
 
     def write(self, epoch: int, updates: int, weights: np.ndarray, state: Mapping[str, np.ndarray],
-              done: np.ndarray) -> float | None:
+              done: np.ndarray, steps: int = 0) -> float | None:
         """The snapshot after ``updates`` updates of ``epoch``; the seconds it took, or None where
         it could not be written (one warning line, once: training goes on, a lost server then
         costing the updates since its last snapshot)."""
         t0 = time.perf_counter()
         meta = {"format": FORMAT, "version": VERSION, **self.layout.record(), "epoch": epoch,
-                "updates": updates}
+                "updates": updates, "optimizer_steps": int(steps)}
         buf = io.BytesIO()
         np.savez(buf, meta=np.array(json.dumps(meta)), weights=weights, done=done,
                  **{f"state.{name}": array for name, array in state.items()})
@@ -310,8 +316,12 @@ class Store:
         if done.dtype != np.bool_ or done.shape != (lay.workers, lay.steps):
             raise checkpoint.not_ours(path, f"holds done of {done.dtype} {done.shape}, expected "
                                             f"bool ({lay.workers}, {lay.steps})")
+        steps = meta.get("optimizer_steps", 0)
+        if type(steps) is not int or steps < 0:
+            raise checkpoint.not_ours(path, f"holds an optimizer step count of "
+                                            f"{printable(repr(steps), 40)}, expected an integer >= 0")
         return Snapshot(path, epoch, updates, arrays["weights"],
-                        {k: arrays[f"state.{k}"] for k in lay.state}, done)
+                        {k: arrays[f"state.{k}"] for k in lay.state}, done, steps)
 
     @staticmethod
     def _meta(raw: np.ndarray, path: Path) -> dict[str, Any]:
@@ -333,13 +343,20 @@ class Store:
         """Each recorded fact against this job's, the model first (its size makes the slices)."""
         ours = self.layout.record()
         for key in ("framework", "model", "param_count", "size", "servers", "server", "values",
-                    "rule", "state", "batches"):
-            if meta.get(key) != ours[key]:
-                theirs = printable(json.dumps(meta.get(key)), 120)
+                    "optimizer", "rule", "state", "batches"):
+            # (a snapshot written before the servers applied other optimizers is SGD's)
+            recorded = meta.get(key, "sgd" if key == "optimizer" else None)
+            if recorded != ours[key]:
+                theirs = printable(json.dumps(recorded), 120)
+                if key == "optimizer":
+                    name = printable(str(recorded), 60)
+                    raise UserError(f"snapshot {path} holds the state of --optimizer {name}, this "
+                                    f"job runs --optimizer {ours[key]}; resume with --optimizer "
+                                    f"{name}, or {self._fix()}")
                 raise UserError(f"snapshot {path} was written with {key} {theirs}, this job has "
                                 f"{json.dumps(ours[key])}; resume with the job that wrote it "
-                                f"(-np, --ps-servers, --model, --momentum, --batch-size, --seed, "
-                                f"the data as then), or {self._fix()}")
+                                f"(-np, --ps-servers, --model, --optimizer, --momentum, "
+                                f"--batch-size, --seed, the data as then), or {self._fix()}")
         if meta.get("epoch") != epoch or meta.get("updates") != updates:
             raise UserError(f"snapshot {path} says it holds epoch "
                             f"{printable(repr(meta.get('epoch')), 20)} after "
