@@ -409,6 +409,8 @@ def capped(runner: Runner, name: str, np_: int, args: list[str], width_depth: tu
     rec.update(ranks=ranks, peak_rss_mb=[round(r["peak_rss_bytes"] / 2**20) for r in ranks],
                allocation_failed=any(why in log for why in MEMORY_FAILURES),
                refused_by_check=" needs " in log and "under RLIMIT_DATA" in log,
+               # the trainer's own line for an allocation that failed in a step
+               ran_out=" ran out of memory during " in log,
                stalled="(--stall-timeout" in log and "frozen, dead or cut off" in log)
     return rec
 
@@ -454,10 +456,11 @@ def largest(runner: Runner) -> dict:
             probes.append({"depth": depth, "params": mlp_params(width, depth), "ok": rec["ok"],
                            "allocation_failed": rec["allocation_failed"],
                            "refused_by_check": rec["refused_by_check"],
+                           "ran_out": rec["ran_out"],
                            "stalled": rec["stalled"],
                            "peak_rss_mb": rec["peak_rss_mb"], "wall_seconds": rec["wall_seconds"],
                            **({} if rec["ok"] else {"error": rec["error"]})})
-            short = rec["allocation_failed"] or rec["refused_by_check"]
+            short = rec["allocation_failed"] or rec["refused_by_check"] or rec["ran_out"]
             outcome = ("trained" if rec["ok"] else "did not fit" if short
                        else "a rank stopped answering" if rec["stalled"] else "FAILED")
             util.say(f"pipeline/largest S={stages} depth {depth} "

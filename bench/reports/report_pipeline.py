@@ -215,6 +215,8 @@ def _outcome(p: dict) -> str:
         return "trained"
     if p.get("refused_by_check"):
         return "refused (the stage check)"
+    if p.get("ran_out"):
+        return "ran out of memory in a step (the trainer's line)"
     if p.get("allocation_failed"):
         return "can't allocate memory"
     return "a rank stopped answering (--stall-timeout)" if p.get("stalled") else "failed"
