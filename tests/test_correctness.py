@@ -126,25 +126,35 @@ GROUPS: dict[str, tuple[int, str, tuple[str, ...], list[tuple[str, list[str], st
     ]),
     # 2 servers + 2 workers at K=0 (== mpi2/ps-ring), 3 servers + 1 worker at K=4 (==
     # single/ps-single), 1 server + 3 workers at K=inf (the counters), and a ring checkpoint with
-    # momentum resumed on 2 servers (== single/inv3-resume)
+    # momentum resumed on 2 servers (== single/inv3-resume), and AdamW with decay and clipping on
+    # 2 servers + 2 workers at K=0 (== mpi2/adamw: the servers clip the step's mean gradient)
     "ps4": (4, "horovodrun", ("single",), [
         ("k0", [*PS, "--strategy", "ps", "--ps-servers", "2", "--staleness", "0"], None),
         ("one", [*PS, "--strategy", "ps", "--ps-servers", "3", "--staleness", "4"], None),
         ("inf", [*PS, "--strategy", "ps", "--staleness", "inf"], None),
         ("inv3-resume", [*INV3, "--epochs", "2", "--batch-size", "16", "--resume", "--strategy",
                          "ps", "--ps-servers", "2"], "single/inv3-first"),
+        ("adamw", [*ADAMW, "--batch-size", str(GLOBAL_BATCH // 2), "--strategy", "ps",
+                   "--ps-servers", "2", "--staleness", "0"], None),
     ]),
-    "mpi3": (3, "horovodrun", ("single",), [
+    "mpi3": (3, "horovodrun", ("single", "mpi2"), [
         ("inv2", [*INV2, "--batch-size", str(GLOBAL_BATCH // 3)], None),
         ("inv5-eval", [*INV5, "--resume"], "single/inv5-src"),
+        # --shard-optimizer's checkpoints at another -np: the sharded one of mpi2 resumed
+        # unsharded, the unsharded one resumed sharded (Keras; PyTorch's format: in process)
+        ("adamw-unshard-resume", [*ADAMW, "--epochs", "2", "--batch-size", str(GLOBAL_BATCH // 3),
+                                  "--resume"], "mpi2/adamw-shard"),
+        ("adamw-shard-resume", [*ADAMW, "--epochs", "2", "--batch-size", str(GLOBAL_BATCH // 3),
+                                "--resume", "--shard-optimizer"], "mpi2/adamw"),
     ]),
     "gloo2": (2, "gloo", (), [("inv2", [*INV2, "--batch-size", str(GLOBAL_BATCH // 2)], None)]),
     "gloo3": (3, "gloo", (), [("inv2", [*INV2, "--batch-size", str(GLOBAL_BATCH // 3)], None)]),
 }
 
 
-# Runs one framework's trainer takes and the other refuses (--shard-optimizer: PyTorch only for now).
-ONLY = {"mpi2/adamw-shard": "torch"}
+# Runs of one framework only (the suite's time: the resumes at another -np are Keras', whose
+# sharded optimizer is not PyTorch's flat buffer).
+ONLY = {"mpi3/adamw-unshard-resume": "tf", "mpi3/adamw-shard-resume": "tf"}
 
 
 class Runs:
@@ -314,6 +324,10 @@ def test_invariant_2_with_adamw_decay_and_clipping(fw, runs):
         assert len(set(m["param_checksums"])) == 1, "invariant 1: ranks differ"
         assert_same_params(runs.params(fw, run_), single)
     assert read_meta(ckpt(runs.out(fw, "mpi2/adamw")))["optimizer"] == "adamw"
+    # parameter servers at staleness 0 (2 servers, 2 workers): each server's AdamW on its slice,
+    # the step's mean gradient clipped by its norm over both slices: the ring's weights
+    assert_same_params(runs.params(fw, "ps4/adamw"), runs.params(fw, "mpi2/adamw"))
+    assert read_meta(ckpt(runs.out(fw, "ps4/adamw")))["optimizer"] == "adamw"
     init = runs.params(fw, "single/inv8-init")  # the same initial weights, not trained (LR 1e-12)
     assert moved(single, init) > 1e-2, "AdamW must have moved the weights for this to mean anything"
 
@@ -322,12 +336,16 @@ def test_invariant_2_with_adamw_decay_and_clipping(fw, runs):
 # AdamW over its half of the flat weights, global-norm clip from both halves, the halves
 # allgathered: the same weights as the unsharded run of the same flags, and a checkpoint in the
 # unsharded format (the whole state, gathered), so that either resumes the other.
-def test_invariant_2_sharded_optimizer_equals_unsharded(runs):
-    m = runs.metrics("torch", "mpi2/adamw-shard")
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_invariant_2_sharded_optimizer_equals_unsharded(fw, runs):
+    m = runs.metrics(fw, "mpi2/adamw-shard")
     assert m["world_size"] == 2 and len(set(m["param_checksums"])) == 1, "invariant 1: ranks differ"
-    whole = runs.params("torch", "mpi2/adamw")
+    whole = runs.params(fw, "mpi2/adamw")
     # one process's float32 sums in another order (the clip's norm), not an update (~1e-3)
-    assert_same_params(runs.params("torch", "mpi2/adamw-shard"), whole, rtol=1e-5, atol=1e-6)
+    assert_same_params(runs.params(fw, "mpi2/adamw-shard"), whole, rtol=1e-5, atol=1e-6)
+    if fw == "tf":
+        _keras_sharded_checkpoints(runs)
+        return
     import torch
 
     def state(run_):
@@ -338,3 +356,25 @@ def test_invariant_2_sharded_optimizer_equals_unsharded(runs):
         assert entry.keys() == shard["state"][i].keys()
         for key, value in entry.items():
             torch.testing.assert_close(shard["state"][i][key], value, rtol=1e-4, atol=1e-8)
+
+
+def _keras_sharded_checkpoints(runs) -> None:
+    """Keras: the sharded checkpoint's optimizer arrays are the unsharded one's (names, shapes,
+    values); at -np 3 each resumes the other's flags (sharded into unsharded and back), and both
+    continue alike."""
+    def arrays(run_):
+        with np.load(ckpt(runs.out("tf", run_)), allow_pickle=False) as z:
+            return {k: z[k] for k in z.files if k.startswith("optimizer_")}
+    shard, plain = arrays("mpi2/adamw-shard"), arrays("mpi2/adamw")
+    assert shard.keys() == plain.keys() and len(plain) > 2
+    for key, value in plain.items():
+        assert shard[key].shape == value.shape and shard[key].dtype == value.dtype, key
+        np.testing.assert_allclose(shard[key], value, rtol=1e-4, atol=1e-8, err_msg=key)
+    resumed = [f"mpi3/adamw-{how}-resume" for how in ("unshard", "shard")]
+    for run_ in resumed:
+        m = runs.metrics("tf", run_)
+        assert m["world_size"] == 3 and m["resumed_from_epoch"] == 1, run_
+        assert len(set(m["param_checksums"])) == 1, "invariant 1: ranks differ"
+    a, b = (runs.params("tf", run_) for run_ in resumed)
+    assert moved(a, runs.params("tf", "mpi2/adamw")) > 1e-3, "the resumed epoch trained"
+    assert_same_params(a, b, rtol=1e-5, atol=1e-6)

@@ -30,17 +30,23 @@ def rng_variables(net: keras.Model) -> list:
 
 
 def save(path_dir: str, epoch: int, net: keras.Model, optimizer, identity: RunIdentity,
-         args: argparse.Namespace, stage: dict | None = None) -> None:
+         args: argparse.Namespace, stage: dict | None = None,
+         optimizer_arrays: list | None = None) -> None:
     """One ``.npz``: ``model_NNNN`` (weights in model order), ``optimizer_NNNN`` (iteration
     counter, momentum slots), ``rng_NNNN`` (rank 0's dropout seed state) and ``meta``, the JSON
     of :func:`ringtrain.output.checkpoint.metadata` plus ``weight_keys``, the names of the weight
     arrays in model order (what tools that compare checkpoints across frameworks read).
-    A pipeline stage's file (``stage``: its metadata record) holds that stage's model."""
+    A pipeline stage's file (``stage``: its metadata record) holds that stage's model.
+    ``optimizer_arrays``: the optimizer's state already gathered (--shard-optimizer's
+    :meth:`~tf_models.sharded.ShardedOptimizer.gathered_state`, in the unsharded optimizer's
+    order: a collective that every rank calls, not rank 0 alone here)."""
     arrays = {}
-    for prefix, variables in (("model", net.weights), ("optimizer", optimizer.variables),
+    opt = optimizer_arrays if optimizer_arrays is not None else optimizer.variables
+    for prefix, variables in (("model", net.weights), ("optimizer", opt),
                               ("rng", rng_variables(net))):
         for i, var in enumerate(variables):
-            arrays[f"{prefix}_{i:04d}"] = np.asarray(var.numpy())
+            arrays[f"{prefix}_{i:04d}"] = np.asarray(var if isinstance(var, np.ndarray)
+                                                     else var.numpy())
     meta = checkpoint.metadata(identity, epoch, checkpoint.config_of(args), stage)
     meta["weight_keys"] = [f"model_{i:04d}" for i in range(len(net.weights))]
     arrays["meta"] = np.array(json.dumps(meta))
@@ -153,12 +159,45 @@ def load(arrays: dict, path, net: keras.Model, optimizer) -> None:
     """A checkpoint's arrays into the model, its optimizer and its dropout seed state."""
     _check_finite(arrays, path)
     _restore(net.weights, arrays, "model", path)
+    if hasattr(optimizer, "load_state"):  # --shard-optimizer: the whole state, for scatter_state
+        _restore_sharded(optimizer, arrays, path)
+    else:
+        _restore_whole(optimizer, arrays, path)
+    rng = rng_variables(net)
+    if len([k for k in arrays if k.startswith("rng_")]) == len(rng):
+        _restore(rng, arrays, "rng", path)
+
+
+def _restore_whole(optimizer, arrays: dict, path) -> None:
     opt_vars = optimizer.variables
     if len([k for k in arrays if k.startswith("optimizer_")]) == len(opt_vars) - 1:
         # Written while the fixed trainer's LR was a schedule, which the optimizer does not hold
         # as a variable; the LR is set before every step now, so only the others are restored.
         opt_vars = [v for v in opt_vars if v.name != "learning_rate"]
     _restore(opt_vars, arrays, "optimizer", path)
-    rng = rng_variables(net)
-    if len([k for k in arrays if k.startswith("rng_")]) == len(rng):
-        _restore(rng, arrays, "rng", path)
+
+
+def _restore_sharded(optimizer, arrays: dict, path) -> None:
+    """The unsharded optimizer's arrays, checked against the model, kept by the
+    :class:`~tf_models.sharded.ShardedOptimizer` until it scatters them."""
+    shapes = optimizer.state_shapes()
+    saved = sorted(k for k in arrays if k.startswith("optimizer_"))
+    if len(saved) == len(shapes) - 1:  # written without the learning-rate variable (see above)
+        saved = saved[:1] + [None] + saved[1:]
+    if len(saved) != len(shapes):
+        raise UserError(f"{path} holds {len(saved)} optimizer variables, this run has "
+                        f"{len(shapes)} (saved with different --momentum or --amp?); resume "
+                        f"with the original flags or use another --checkpoint-dir")
+    out = []
+    for key, shape in zip(saved, shapes, strict=True):
+        if key is None:  # the learning rate: set before every step
+            out.append(None)
+            continue
+        if tuple(arrays[key].shape) != tuple(shape):
+            raise UserError(f"{path}: optimizer variable {key} has shape "
+                            f"{tuple(arrays[key].shape)} there, {tuple(shape)} here; use "
+                            f"another --checkpoint-dir")
+        if arrays[key].dtype.kind not in "biuf":
+            raise checkpoint.not_ours(path, f"holds {key} of type {arrays[key].dtype}")
+        out.append(arrays[key])
+    optimizer.load_state(out)

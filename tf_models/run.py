@@ -9,6 +9,9 @@ the steps (:meth:`KerasRun.fit`), reporting each optimizer step and epoch to the
 :class:`~ringtrain.training.fixed_loop.FixedLoop` through :class:`~tf_models.fit_callback.FixedLoopCallback`.
 With ``--backward-passes-per-step K`` fit runs K micro-batch steps of B rows per optimizer step
 (each loss weighted 1/K; the wrapper sums their gradients locally and allreduces on the K-th).
+``--shard-optimizer`` (ZeRO stage 1) compiles :class:`~tf_models.sharded.ShardedOptimizer` in
+place of Horovod's wrapper: rank 0's weights are broadcast and its restored state handed out in
+slices when the run opens, and every rank gathers its slice of the state for rank 0's checkpoint.
 Train loss comes from :func:`~tf_models.horovod_keras.loss_sums` (float64 sums allreduced at the
 epoch's end, exact over ranks), not from Horovod's ``MetricAverageCallback``, which averages the
 ranks' averages.
@@ -30,7 +33,6 @@ import numpy as np
 import tensorflow as tf
 
 from ringtrain import optimizer_spec
-from ringtrain.errors import UserError
 from ringtrain.optimizer_options import distributed_optimizer_options
 from ringtrain.output.progress import Loss
 from ringtrain.strategies.ring import options as ring_options
@@ -38,7 +40,7 @@ from ringtrain.training import startup as startup_checks
 from ringtrain.training.fixed_loop import FixedLoop
 from ringtrain.training.run import FrameworkRun, RunIdentity, StepTag
 from ringtrain.training.world import World
-from tf_models import checkpoints, optimizers, startup
+from tf_models import checkpoints, optimizers, sharded, startup
 from tf_models.collectives import COLLECTIVES, VERSIONS, average_statistics
 from tf_models.evaluation import WeightsTotal, make_batch_sums, make_weights_finite, parameters
 from tf_models.fit_callback import FixedLoopCallback
@@ -109,11 +111,9 @@ class KerasRun(KerasModelRun):
     """One rank's Keras run on the ring.  ``elastic``: a worker of an elastic job, which trains
     through :class:`DistributedModel` and gets rank 0's state from Horovod's elastic state."""
 
+    sharded = False  # --shard-optimizer (the fixed job's only: parsing refuses it with --elastic)
+
     def __init__(self, args: argparse.Namespace, *, elastic: bool = False) -> None:
-        if args.shard_optimizer:  # before any collective: every rank stops alike, in one line
-            raise UserError("--shard-optimizer works with --framework torch only for now (the "
-                            "Keras trainer holds the whole optimizer state on every rank); drop "
-                            "--shard-optimizer")
         self.open_model(args, check_world=ring_options.check_world, elastic=elastic)
         # Horovod: its timeline (--timeline-out) records from here on, written by rank 0.
         self.tools.start(self.world.rank, hvd)
@@ -133,6 +133,39 @@ class KerasRun(KerasModelRun):
                 gradient_predivide_factor=args.gradient_predivide_factor)
             self.model.compile(optimizer=optimizer)
             return
+        self.sharded = args.shard_optimizer  # ZeRO stage 1: state for this rank's slice only
+        if self.sharded:
+            self._sharded_optimizer(args, optimizer)
+        else:
+            self._unsharded_optimizer(args, optimizer)
+        self.sums, weights_total = loss_sums(), WeightsTotal(self.net)
+        # Each micro-batch's loss weighs 1/K, so the K summed gradients are their mean, as in
+        # the PyTorch trainer (loss / K) and for every op: Horovod's own
+        # average_aggregated_gradients refuses Adasum.  XLA off: this Horovod build has no XLA
+        # kernels (Keras turns it on on GPUs).
+        self.net.compile(optimizer=self.optimizer, loss=SparseLogitsLoss(logits_dtype(self.net)),
+                         loss_weights=1.0 / k,
+                         metrics=[self.sums, weights_total], jit_compile=False)
+        self.weights_finite = weights_total.finite  # the train step's own sum: no second pass
+
+    def _sharded_optimizer(self, args: argparse.Namespace, optimizer) -> None:
+        """--shard-optimizer: the chosen optimizer over this rank's slice of the flat weights
+        (:class:`~tf_models.sharded.ShardedOptimizer`: reduce-scatter, clip, update, allgather),
+        resumed, then rank 0's weights broadcast and its restored state handed out in slices."""
+        opts = distributed_optimizer_options(args, hvd)  # --fp16-allreduce, predivide (no Adasum)
+        self.optimizer = sharded.ShardedOptimizer(
+            optimizer, hvd, clip=args.clip_grad_norm, compression=opts["compression"],
+            predivide=opts["gradient_predivide_factor"], micro_steps=args.backward_passes_per_step)
+        self.optimizer.build(self.net.trainable_variables)  # the slice's state: 1/R of the whole
+        self.start_epoch = startup_checks.resume_epoch(self.world, args, self.restore)
+        # Horovod: broadcast rank 0's weights, then hand out rank 0's restored optimizer state,
+        # each rank keeping its slice (every rank's step count and slots: the same start).
+        hvd.broadcast_variables(self.net.weights, root_rank=0)
+        self.optimizer.scatter_state()
+
+    def _unsharded_optimizer(self, args: argparse.Namespace, optimizer) -> None:
+        """Horovod's DistributedOptimizer over the chosen optimizer, resumed; fit's callback
+        broadcasts rank 0's weights and optimizer state."""
         if args.amp:  # wrapped inside: the loss-scale skip is decided on allreduced gradients
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         inner = optimizer
@@ -145,15 +178,21 @@ class KerasRun(KerasModelRun):
         if self.start_epoch >= args.epochs:  # resumed at the end: no fit, so no fit broadcast
             # Horovod: broadcast rank 0's weights and optimizer state: every rank evaluates them.
             hvd.broadcast_variables([*self.net.weights, *optimizer.variables], root_rank=0)
-        self.sums, weights_total = loss_sums(), WeightsTotal(self.net)
-        # Each micro-batch's loss weighs 1/K, so the K summed gradients are their mean, as in
-        # the PyTorch trainer (loss / K) and for every op: Horovod's own
-        # average_aggregated_gradients refuses Adasum.  XLA off: this Horovod build has no XLA
-        # kernels (Keras turns it on on GPUs).
-        self.net.compile(optimizer=optimizer, loss=SparseLogitsLoss(logits_dtype(self.net)),
-                         loss_weights=1.0 / k,
-                         metrics=[self.sums, weights_total], jit_compile=False)
-        self.weights_finite = weights_total.finite  # the train step's own sum: no second pass
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """--shard-optimizer: every rank, each gathering its slice of the state for rank 0's file
+        (which alone writes it, :meth:`save`); else rank 0."""
+        return self.sharded or self.world.rank == 0
+
+    def save(self, epoch: int) -> None:
+        if not self.sharded:
+            super().save(epoch)
+            return
+        whole = self.optimizer.gathered_state()  # a collective: the unsharded file's format
+        if self.world.rank == 0:
+            checkpoints.save(self.args.checkpoint_dir, epoch, self.net, self.optimizer,
+                             self.identity, self.args, optimizer_arrays=whole)
 
     def describe(self) -> list[str]:
         """Under the banner: the update, when it is not the default SGD's."""
@@ -176,9 +215,13 @@ class KerasRun(KerasModelRun):
         # fit takes one micro-batch per call of its train step: K per optimizer step.
         micro = [step[m * b:(m + 1) * b] for epoch in fixed.epochs()
                  for step in fixed.index_batches(epoch) for m in range(k)]
-        # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) as fit begins.
-        callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
-                     FixedLoopCallback(fixed, self.sums)]
+        # (--shard-optimizer: broadcast and handed out when the run opened; each rank's optimizer
+        # state is its own slice, which the callback below would overwrite with rank 0's.)
+        callbacks = [FixedLoopCallback(fixed, self.sums)]
+        if not self.sharded:
+            # Horovod: broadcast rank 0's weights and optimizer state (fresh or resumed) as fit
+            # begins.
+            callbacks.insert(0, hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0))
         self.net.fit(self.data.fit_dataset(micro), epochs=self.args.epochs,
                      initial_epoch=fixed.start_epoch, steps_per_epoch=fixed.steps * k,
                      shuffle=False, verbose=0, callbacks=callbacks)
