@@ -115,6 +115,9 @@ LEFT_OUT: list[tuple[str, str]] = [
     ("tests/test_decoded_cache.py::test_a_job_trains_the_same_with_the_cache_without_it_and_when_it_cannot_be_made[tf]",
      "[torch]; TensorFlow's reader (FolderData.batch, which its tf.data maps) bit for bit against "
      "decoding, in this file's in-process tests"),
+    ("tests/test_pipeline_elastic.py::test_elastic_pipeline_equals_one_process[*R1*]",
+     "[*R2*] in both frameworks (the same lockstep ticks, with two replicas averaged); "
+     "test_pipeline_lockstep's one-process gradients at R = 1 and 2"),
     ("tests/test_horovod_tools.py::test_timeline_and_autotune_in_a_two_rank_job[tf]",
      "[torch] (the flags set the same Horovod variables for both; Horovod's core writes the "
      "timeline); TF's allreduce of every gradient: test_correctness's invariants 1-2 in TF"),
