@@ -4,6 +4,7 @@ weights are still numbers, and its weights for the checksums."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import keras
 import numpy as np
@@ -96,6 +97,7 @@ class WeightsTotal(keras.metrics.Metric):
         return math.isfinite(float(self.total.numpy())) or bool(self._exact())
 
 
-def parameters(net: keras.Model) -> list[np.ndarray]:
-    """Every weight, trainable or not (BatchNorm's moving statistics too), in model order."""
-    return [w.numpy() for w in net.weights]
+def parameters(net: keras.Model) -> Iterator[np.ndarray]:
+    """Every weight, trainable or not (BatchNorm's moving statistics too), in model order, one
+    at a time: ``.numpy()`` copies, and a list of them would hold a copy of the whole model."""
+    return (w.numpy() for w in net.weights)

@@ -25,6 +25,7 @@ bit.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 
 import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
@@ -103,7 +104,7 @@ class KerasModelRun(FrameworkRun):
         return checkpoints.restore(self.args.checkpoint_dir, self.net, self.optimizer, self.identity,
                                    self.args.optimizer)
 
-    def parameters(self) -> list[np.ndarray]:
+    def parameters(self) -> Iterator[np.ndarray]:
         return parameters(self.net)
 
 

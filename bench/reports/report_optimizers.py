@@ -33,7 +33,7 @@ def _update(part: dict, cores: int | None) -> list[str]:
                      num(c.get("saved_vs_weights"), "{:.2f}")])
     return ["### 12.1 The optimizer's state per rank, sharded or not", "",
             f"An MLP of {up['depth']} hidden layers of {up['width']} ({up['params']:,} parameters, "
-            f"W = {up['weight_bytes'] / MB:.0f} MB of float32 weights; `bench.parts.model_parallel:mlp`"
+            f"W = {up['weight_bytes'] / MB:.0f} MiB of float32 weights; `bench.parts.model_parallel:mlp`"
             " and its Keras twin `bench.parts.update_cost:mlp_keras`), batch "
             f"{up['batch']} per rank, two epochs of {up['steps']} steps (images/s: the second). "
             "SGD is the default (momentum 0.9, one tensor of state per weight); AdamW "
@@ -42,10 +42,15 @@ def _update(part: dict, cores: int | None) -> list[str]:
             "largest rank's peak resident memory unsharded minus sharded, measured back to back, "
             "against the formula's slots x W x (1 - 1/R); *saved / W*: the issue's target is "
             "0.7 or more for AdamW at R = 2. Peak resident memory: each rank's `ru_maxrss` "
-            "(`bench/workers/rankexec.py`), framework included.", "",
+            "(`bench/workers/rankexec.py`), framework included. Keras' sharded optimizer keeps "
+            "one more slice of the weights than PyTorch's (the flat variable it updates, W / R), "
+            "so its saving is the formula's less W / R. A saving above the formula is the "
+            "unsharded step's other transients (its allreduce buffers) and a peak's run-to-run "
+            "variation (one run per cell).", "",
             table(["framework", "optimizer", "-np", "sharded", "images/s",
-                   "peak RSS, largest rank (MB)", "each rank (MB)", "state per rank, formula (MB)",
-                   "saved: measured / formula (MB)", "saved / W"], rows), ""]
+                   "peak RSS, largest rank (MiB)", "each rank (MiB)",
+                   "state per rank, formula (MiB)", "saved: measured / formula (MiB)", "saved / W"],
+                  rows), ""]
 
 
 def _precision(part: dict) -> list[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -155,8 +155,9 @@ class FrameworkRun(ABC):
         return self.world.rank == 0
 
     @abstractmethod
-    def parameters(self) -> list[np.ndarray]:
-        """The model's floating-point state, in model order, for the checksums."""
+    def parameters(self) -> Iterable[np.ndarray]:
+        """The model's floating-point state, in model order, for the checksums (read once: an
+        iterator may hand the arrays out one at a time)."""
 
     def strategy_note(self) -> str | None:
         """What the banner adds about a strategy other than the ring (who serves, who works)."""
