@@ -118,6 +118,12 @@ LEFT_OUT: list[tuple[str, str]] = [
     ("tests/test_pipeline_elastic.py::test_elastic_pipeline_equals_one_process[*R1*]",
      "[*R2*] in both frameworks (the same lockstep ticks, with two replicas averaged); "
      "test_pipeline_lockstep's one-process gradients at R = 1 and 2"),
+    ("tests/test_pipeline_elastic.py::test_elastic_pipeline_survives_a_killed_rank_of_the_second_replica[tf]",
+     "[torch] (the framework-free loop re-forms the world, hands the stages over and sets the LR "
+     "and the shards by R); Keras' elastic glue in [tf-R2] of the equivalence"),
+    ("tests/test_pipeline_elastic.py::test_elastic_pipeline_grows_a_second_replica_when_a_host_is_added",
+     "the killed-rank test's re-form (the same per-world handover from each stage's holders); "
+     "test_pipeline_lockstep's holders rule with newcomers that hold nothing"),
     ("tests/test_horovod_tools.py::test_timeline_and_autotune_in_a_two_rank_job[tf]",
      "[torch] (the flags set the same Horovod variables for both; Horovod's core writes the "
      "timeline); TF's allreduce of every gradient: test_correctness's invariants 1-2 in TF"),
