@@ -696,7 +696,7 @@ class OneRank:
     def allgather(self, t, name=None): return tf.identity(t)
     def allreduce(self, t, name=None, op=None): return tf.identity(t)
     def broadcast(self, t, root_rank, name=None): return tf.identity(t)
-    def broadcast_object(self, obj, root_rank=0, name=None): return obj
+    # no broadcast_object: the restored state's scalars travel as plain data, never a pickle
 
 
 class Threads:
@@ -743,9 +743,6 @@ class ThreadRank:
 
     def broadcast(self, t, root_rank, name=None):
         return tf.constant(self.group.meet(name, self.r, t.numpy(), lambda vs: vs[root_rank]))
-
-    def broadcast_object(self, obj, root_rank=0, name=None):
-        return self.group.meet(name, self.r, obj, lambda vs: vs[root_rank])
 
 
 def flags(name, wd, momentum, clip):

@@ -39,6 +39,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from ringtrain.training.world import Collectives, broadcast_plain
+
 # The least elements per collective call and rank: a slice of S elements goes in S // CHUNK
 # equal chunks (one if S < CHUNK), each of CHUNK to 2 x CHUNK elements, the transient buffer of a
 # reduce-scatter or allgather (R times that for the reduce-scatter's input).  32 MiB of float32:
@@ -339,21 +341,32 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         :meth:`gathered_state`'s order, for :meth:`scatter_state`."""
         self.pending = list(arrays)
 
+    def _plain_comm(self) -> Collectives:
+        """The broadcast of NumPy arrays that :func:`broadcast_plain` sends its JSON in, from
+        this optimizer's Horovod (a fake in the tests)."""
+        hvd = self.hvd
+
+        def broadcast(array: np.ndarray, name: str) -> np.ndarray:
+            return np.asarray(hvd.broadcast(tf.constant(array), root_rank=0, name=name))
+
+        return Collectives(sum=None, broadcast=broadcast, allgather=None)
+
     def scatter_state(self) -> None:
         """On every rank, after the weights' broadcast: rank 0's restored state (if any), each
         rank keeping its slice; every rank keeps its fresh state when nothing was restored.
         Then :meth:`sync_shard`: the weights were broadcast before."""
         self.sync_shard()
         hvd, whole = self.hvd, self.pending
-        have = hvd.broadcast_object(whole is not None, root_rank=0, name="shard.state.restored")
         self.pending = None
-        if not have:
-            return
         scalars, slots = self._slots()
         values = None if whole is None else [
             None if whole[j] is None else np.asarray(whole[j]).tolist()
             for j, e in enumerate(self.layout) if e[0] == "scalar"]
-        values = hvd.broadcast_object(values, root_rank=0, name="shard.state.scalars")
+        # Plain data (ringtrain.training.wire's JSON through Horovod's broadcast), never a pickle:
+        # None where rank 0 restored nothing.
+        values = broadcast_plain(self._plain_comm(), self.rank == 0, values, "shard.state.scalars")
+        if values is None:
+            return
         for var, value in zip(scalars, values, strict=True):
             if value is not None:  # None: a learning rate the file did not hold
                 var.assign(value)
