@@ -34,12 +34,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
 
 from ringtrain.errors import UserError
 from ringtrain.strategies.pipeline.engine import Boundary
+from ringtrain.strategies.pipeline.placement import Placement
 from ringtrain.training import wire
 
 
@@ -72,7 +74,8 @@ class LockstepError(RuntimeError):
 
 @dataclass(frozen=True)
 class Layout:
-    """This rank's place in a world of ``size`` ranks: stage and replica, or a spare."""
+    """This rank's place in a world of ``size`` ranks: the fixed pipeline's :class:`Placement`
+    over the first R x S ranks, or a spare (``placement`` None)."""
 
     stages: int
     size: int
@@ -86,37 +89,40 @@ class Layout:
     def spare(self) -> bool:
         return self.rank >= self.replicas * self.stages
 
+    @cached_property
+    def placement(self) -> Placement | None:
+        return None if self.spare else Placement(self.stages, self.replicas * self.stages,
+                                                 self.rank)
+
     @property
     def stage(self) -> int | None:
-        return None if self.spare else self.rank % self.stages
+        return None if self.spare else self.placement.stage
 
     @property
     def replica(self) -> int | None:
-        return None if self.spare else self.rank // self.stages
+        return None if self.spare else self.placement.replica
 
     @property
     def first(self) -> bool:
-        return self.stage == 0
+        return not self.spare and self.placement.first
 
     @property
     def last(self) -> bool:
-        return self.stage == self.stages - 1
+        return not self.spare and self.placement.last
 
     def rank_of(self, stage: int, replica: int) -> int:
         return replica * self.stages + stage
 
     @property
     def previous(self) -> int | None:
-        return None if self.spare or self.first else self.rank - 1
+        return None if self.spare else self.placement.previous
 
     @property
     def next(self) -> int | None:
-        return None if self.spare or self.last else self.rank + 1
+        return None if self.spare else self.placement.next
 
     def describe(self) -> str:
-        if self.spare:
-            return f"rank {self.rank} (spare)"
-        return f"rank {self.rank} (stage {self.stage}, replica {self.replica})"
+        return f"rank {self.rank} (spare)" if self.spare else self.placement.describe()
 
 
 def check_world(stages: int, size: int) -> None:
