@@ -139,8 +139,7 @@ class KerasElasticPipeline:
         layout = self.layout
         s = layout.stage
         if s is None:  # a spare: every collective, nothing computed
-            lockstep.train_step(layout, self.comm, None, rows, len(rows), None, None)
-            lockstep.average_stage(self.comm, layout, self.sizes, None, "pipeline.elastic.grads")
+            lockstep.spare_step(layout, self.comm, rows, self.sizes)
             return 0.0, True
         opt, net = self.optimizers[s], self.models[s]
         opt.learning_rate = lr
@@ -160,7 +159,7 @@ class KerasElasticPipeline:
         flat = np.concatenate([tf.reshape(tf.cast(tf.convert_to_tensor(g), tf.float64), [-1]).numpy()
                                for g in self.grads])
         # Horovod: the stage's mean gradient over its replicas (one allreduce over every rank).
-        mean = lockstep.average_stage(self.comm, layout, self.sizes, flat, "pipeline.elastic.grads")
+        mean = lockstep.average_stage(self.comm, layout, self.sizes, flat, lockstep.GRADS)
         grads, offset = [], 0
         for v in variables:
             n = int(np.prod(v.shape))

@@ -157,8 +157,7 @@ class TorchElasticPipeline:
         layout = self.layout
         s = layout.stage
         if s is None:  # a spare: every collective, nothing computed
-            lockstep.train_step(layout, self.comm, None, rows, len(rows), None, None)
-            lockstep.average_stage(self.comm, layout, self.sizes, None, "pipeline.elastic.grads")
+            lockstep.spare_step(layout, self.comm, rows, self.sizes)
             return 0.0, True
         module, opt = self.modules[s], self.optimizers[s]
         for group in opt.param_groups:
@@ -178,7 +177,7 @@ class TorchElasticPipeline:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in params]).detach().to("cpu", torch.float64).numpy()
         # Horovod: the stage's mean gradient over its replicas (one allreduce over every rank).
-        mean = lockstep.average_stage(self.comm, layout, self.sizes, flat, "pipeline.elastic.grads")
+        mean = lockstep.average_stage(self.comm, layout, self.sizes, flat, lockstep.GRADS)
         offset = 0
         with torch.no_grad():
             for p in params:

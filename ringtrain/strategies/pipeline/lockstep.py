@@ -321,6 +321,16 @@ def average_stage(comm: Comm, layout: Layout, sizes: Sequence[int], mine: np.nda
     return total[offsets[s]:offsets[s + 1]] / layout.replicas
 
 
+GRADS = "pipeline.elastic.grads"  # the step's one whole-model allreduce (average_stage's name)
+
+
+def spare_step(layout: Layout, comm: Comm, rows: Sequence[int], sizes: Sequence[int]) -> None:
+    """A spare's step: every collective a stage's step issues (the ticks' alltoalls, the
+    gradients' allreduce), in the same order, with nothing of its own."""
+    train_step(layout, comm, None, rows, len(rows), None, None)
+    average_stage(comm, layout, sizes, None, GRADS)
+
+
 # --- after a re-form: who hands each stage over -----------------------------------------------
 
 Report = tuple[int | None, int]  # (stage held at the last commit, or None; commits made)
