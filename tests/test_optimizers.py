@@ -751,16 +751,21 @@ def flags(name, wd, momentum, clip):
 
 
 SHAPES = [(4, 3), (3,), (2, 5), (2, 2, 1)]  # 29 elements: padding at R = 2 and 3
+ODD = False  # the odd model: variable 1 gets no gradient, variable 2 has a constraint
 
 
 def weights():
     rng = np.random.default_rng(0)
-    return [keras.Variable(rng.standard_normal(s), dtype="float64") for s in SHAPES]
+    ws = [keras.Variable(rng.standard_normal(s), dtype="float64") for s in SHAPES]
+    if ODD:
+        ws[2].constraint = keras.constraints.NonNeg()
+    return ws
 
 
 def grads(step, micro, rank):
     rng = np.random.default_rng(1000 + 100 * step + 10 * micro + rank)
-    return [tf.constant(rng.standard_normal(s)) for s in SHAPES]
+    out = [tf.constant(rng.standard_normal(s)) for s in SHAPES]
+    return [out[0], None, *out[2:]] if ODD else out
 
 
 def reference(case, world, steps, k=1):
@@ -770,7 +775,8 @@ def reference(case, world, steps, k=1):
     opt = optimizers.build(flags(*case), 0.01, micro_steps=k)
     opt.build(ws)
     for step in range(steps):
-        avg = [sum(sum(grads(step, m, r)[i] for m in range(k)) for r in range(world)) / world
+        avg = [None if grads(step, 0, 0)[i] is None else
+               sum(sum(grads(step, m, r)[i] for m in range(k)) for r in range(world)) / world
                for i in range(len(SHAPES))]
         if k > 1:
             opt._iterations.assign_add(k - 1)
@@ -864,6 +870,22 @@ for case in CASES:
         "unsharded_to_sharded_state": max(diff(st, [v.numpy() for v in ref3_opt.variables])
                                           for _, st, *_ in back),
     }
+# weights of two types: one line (a UserError), before any collective
+from ringtrain.errors import UserError
+try:
+    sharded.ShardedOptimizer(optimizers.build(flags(*CASES[0]), 0.01, 1), OneRank()).build(
+        [keras.Variable(np.zeros(2, "float32")), keras.Variable(np.zeros(2, "float64"))])
+    report["mixed"] = "no error"
+except UserError as err:
+    report["mixed"] = str(err)
+# the odd model: a variable with no gradient keeps its weights and state, a constraint holds
+ODD = True
+ref_w, ref_opt = reference(CASES[0], 2, 3)
+ranks = sharded_run(CASES[0], 2, 3)
+report["odd"] = {"weights": max(diff(ws, ref_w) for ws, *_ in ranks),
+                 "state": max(diff(st, [v.numpy() for v in ref_opt.variables]) for _, st, *_ in ranks),
+                 "untouched": diff([ref_w[1].numpy()], [weights()[1].numpy()]),
+                 "clamped": int((ref_w[2].numpy() == 0).sum())}
 print(json.dumps(report))
 '''
 
@@ -888,3 +910,8 @@ def test_keras_sharded_optimizer_steps_and_saves_as_the_unsharded_one():
             slots = total // 29
             assert got["state_elements"] == [slots * -(-29 // world)] * world, (name, world, got)
         assert max(report[f"{name}/resume"].values()) < 1e-12, (name, report[f"{name}/resume"])
+    odd = report["odd"]  # Keras' apply: no gradient, no step; a constraint after the step
+    assert odd["weights"] < 1e-12 and odd["state"] < 1e-12 and odd["untouched"] == 0, odd
+    assert odd["clamped"] > 0, odd  # the constraint did something, in both
+    assert "float32, float64" in report["mixed"] and "drop --shard-optimizer" in report["mixed"], \
+        report["mixed"]

@@ -11,16 +11,23 @@ fit's traced train step) does what the PyTorch trainer's :mod:`torch_models.shar
    gradient tensors by static slices (no whole flat gradient is ever made);
 2. ``--clip-grad-norm``: Keras' ``global_clipnorm`` rule, from the global norm, the square root of
    every slice's squared norm summed (one allreduce of a scalar);
-3. the chosen built-in optimizer (:func:`tf_models.optimizers.build`, ``RingUpdate`` and weight
-   decay as unsharded) updates one flat variable of this rank's S weights, its state (momentum,
-   velocity...) S elements per slot: 1/R of the unsharded state.  The built-in rules are
+3. the chosen built-in optimizer's rule (:class:`SliceRule`: Keras' SGD, Adam, AdamW and RMSprop
+   as their ``update_step`` and AdamW's decoupled decay compute them, ``RingUpdate``'s L2 term and
+   step count included) updates this rank's slice chunk by chunk: the chunk's weights read from
+   the model's own variables, its state from slot variables of the slice's length (1/R of the
+   unsharded state), the new weights straight into the allgather.  No copy of the slice's weights
+   is kept (Keras' optimizer would need one, a variable of its own to update: W / R more per
+   rank, docs/training.md).  The rules are
    element-wise, so the slice's update is the unsharded one's;
 4. allgather the updated slices, in the same chunks, written back into every rank's model
-   variables by rectangular slice assignments (:func:`flat_pieces`).
+   variables by rectangular slice assignments (:func:`flat_pieces`); then the variables'
+   ``constraint``, as Keras' ``apply`` does.  A variable with no gradient is left as it is, its
+   state too (Keras' ``apply`` skips it).
 
 Collective names depend on the chunk's offset only, and every rank issues the same ones.  Each
 chunk waits for the one before it (control dependencies), so that a traced step never holds more
-than a chunk's transient buffers.  ``--backward-passes-per-step K``: the gradients are summed
+than a chunk's transient buffers: without ``--clip-grad-norm`` each chunk is updated as soon as
+it is reduce-scattered; the clip's norm needs the whole reduce-scattered slice first.  ``--backward-passes-per-step K``: the gradients are summed
 locally over K calls (as Horovod's wrapper does) and the K-th call updates; the optimizer's
 ``iterations`` counts every call, as unsharded.
 
@@ -38,15 +45,17 @@ import math
 import keras
 import numpy as np
 import tensorflow as tf
+from keras import ops
 
+from ringtrain.errors import UserError
 from ringtrain.training.world import Collectives, broadcast_plain
 
 # The least elements per collective call and rank: a slice of S elements goes in S // CHUNK
-# equal chunks (one if S < CHUNK), each of CHUNK to 2 x CHUNK elements, the transient buffer of a
-# reduce-scatter or allgather (R times that for the reduce-scatter's input).  32 MiB of float32:
-# glibc's largest mmap threshold, so each buffer is mapped and unmapped, not left in its heap
-# (16 MiB chunks, as PyTorch's, kept a rank's resident memory 1.5 x the weights higher).
-CHUNK = 1 << 23
+# equal chunks (one if S < CHUNK), each of CHUNK to 2 x CHUNK elements.  A chunk's buffers are
+# the sharded step's largest transients besides the gradients (the reduce-scatter's input and the
+# allgather's output are R chunks each, the rule's intermediates a few chunks): 16 MiB of float32,
+# as PyTorch's; 32 MiB chunks raised the largest rank's peak by 64 MiB (docs/training.md).
+CHUNK = 1 << 22
 
 
 def layout(numel: int, world: int) -> tuple[int, int]:
@@ -104,6 +113,86 @@ def state_layout(inner: keras.optimizers.Optimizer, count: int) -> list[tuple]:
     return entries
 
 
+class SliceRule:
+    """The update of a built-in Keras optimizer (``inner``) on a chunk of a slice, as tensors: what
+    its ``update_step`` computes (Keras 3's SGD, Adam, AdamW, RMSprop, in their order of
+    operations, so float64 results equal to the last bit), with ``RingUpdate``'s L2 term and
+    step count (:mod:`tf_models.optimizers`) and AdamW's decoupled decay (Keras'
+    ``_apply_weight_decay``, before the update).  :attr:`slots`: the state's names per weight, in
+    the order Keras makes them (a checkpoint's order, :func:`state_layout`).  Any other optimizer
+    is a ``ValueError``: parsing refuses a factory with ``--shard-optimizer``."""
+
+    def __init__(self, inner: keras.optimizers.Optimizer) -> None:
+        self.inner = inner
+        self.l2 = float(getattr(inner, "l2", 0.0))
+        if getattr(inner, "amsgrad", False) or getattr(inner, "nesterov", False):
+            raise ValueError("--shard-optimizer: amsgrad and nesterov are not written out here "
+                             "(tf_models.optimizers.build sets neither)")
+        if isinstance(inner, keras.optimizers.Adam):  # AdamW's class is Adam's
+            self.kind, self.slots = "adam", ["momentum", "velocity"]
+        elif isinstance(inner, keras.optimizers.RMSprop):
+            self.kind = "rmsprop"
+            self.slots = ["velocity", *(["momentum"] if inner.momentum > 0 else []),
+                          *(["average_gradient"] if inner.centered else [])]
+        elif isinstance(inner, keras.optimizers.SGD):
+            self.kind, self.slots = "sgd", ["momentum"] if inner.momentum != 0 else []
+        else:
+            raise ValueError(f"--shard-optimizer has no slice rule for {type(inner).__name__}")
+
+    def __call__(self, w: tf.Tensor, g: tf.Tensor, state: list) -> tuple[tf.Tensor, list]:
+        """The chunk's new weights and new state, from its weights ``w``, its averaged (clipped)
+        gradient ``g`` and its state (one tensor per :attr:`slots`)."""
+        opt, dtype = self.inner, w.dtype
+        lr = ops.cast(opt.learning_rate, dtype)
+        if opt.weight_decay is not None:  # Keras' _apply_weight_decay (AdamW), before the step
+            w = w - w * ops.cast(opt.weight_decay, dtype) * lr
+        g = ops.cast(g, dtype)
+        if self.l2:  # RingUpdate.update_step
+            g = ops.add(g, ops.multiply(ops.cast(self.l2, dtype), w))
+        return getattr(self, self.kind)(opt, w, g, lr, state)
+
+    @staticmethod
+    def sgd(opt, w, g, lr, state):
+        if not state:
+            return ops.subtract(w, ops.multiply(g, lr)), []
+        momentum = ops.cast(opt.momentum, w.dtype)
+        m = ops.subtract(ops.multiply(state[0], momentum), ops.multiply(g, lr))
+        return ops.add(w, m), [m]
+
+    @staticmethod
+    def adam(opt, w, g, lr, state):
+        local_step = ops.cast(opt.iterations + 1, w.dtype)
+        beta_1_power = ops.power(ops.cast(opt.beta_1, w.dtype), local_step)
+        beta_2_power = ops.power(ops.cast(opt.beta_2, w.dtype), local_step)
+        alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+        m = ops.add(state[0], ops.multiply(ops.subtract(g, state[0]), 1 - opt.beta_1))
+        v = ops.add(state[1], ops.multiply(ops.subtract(ops.square(g), state[1]), 1 - opt.beta_2))
+        step = ops.divide(ops.multiply(m, alpha), ops.add(ops.sqrt(v), opt.epsilon))
+        return ops.subtract(w, step), [m, v]
+
+    @staticmethod
+    def rmsprop(opt, w, g, lr, state):
+        rho, rest = opt.rho, list(state[1:])
+        velocity = ops.add(ops.multiply(rho, state[0]), ops.multiply(1 - rho, ops.square(g)))
+        new = [velocity]
+        momentum = rest.pop(0) if opt.momentum > 0 else None
+        if opt.centered:
+            average = ops.add(ops.multiply(rho, rest[0]), ops.multiply(1 - rho, g))
+            denominator = velocity - ops.square(average) + opt.epsilon
+        else:
+            denominator = ops.add(velocity, opt.epsilon)
+        increment = ops.divide(ops.multiply(lr, g), ops.sqrt(denominator))
+        if momentum is not None:
+            momentum = ops.add(ops.multiply(opt.momentum, momentum), increment)
+            new.append(momentum)
+            w = ops.subtract(w, momentum)
+        else:
+            w = ops.subtract(w, increment)
+        if opt.centered:
+            new.append(average)
+        return w, new
+
+
 class ShardedOptimizer(keras.optimizers.Optimizer):
     """``inner`` (the chosen ``--optimizer``, built by :func:`tf_models.optimizers.build`) over
     this rank's slice of the model's flat weights, as the optimizer ``model.fit`` compiles with.
@@ -131,9 +220,11 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
             return
         var_list = list(var_list)
         dtypes = {keras.backend.standardize_dtype(v.dtype) for v in var_list}
-        if len(dtypes) != 1:
-            raise ValueError(f"--shard-optimizer needs trainable variables of one type, the model "
-                             f"has {sorted(dtypes)}")
+        if len(dtypes) != 1:  # (every rank builds the same model: every rank says it)
+            raise UserError(f"--shard-optimizer needs the model's trainable weights in one type, "
+                            f"this model's are {', '.join(sorted(dtypes))} (one flat slice of "
+                            f"them is updated); drop --shard-optimizer or give the weights one "
+                            f"type")
         self.dtype_ = dtypes.pop()
         self.shapes = [tuple(int(d) for d in v.shape) for v in var_list]
         self.numels = [math.prod(s) for s in self.shapes]
@@ -141,21 +232,23 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         self.numel = sum(self.numels)
         self.padded, self.shard_len = layout(self.numel, self.world)
         self.lo = self.rank * self.shard_len
-        # This rank's S weights, which the inner optimizer updates (its state: S per slot).
-        self.shard = keras.Variable(np.zeros(self.shard_len, self.dtype_), name="shard",
-                                    trainable=False)
+        # This rank's state: S elements per slot (1/R of the unsharded state); the inner optimizer
+        # keeps its scalars (step count, learning rate) and no slots: it is built over nothing.
+        self.rule = SliceRule(self.inner)
+        self.slots = [keras.Variable(np.zeros(self.shard_len, self.dtype_), name=name,
+                                     trainable=False) for name in self.rule.slots]
         self.accumulators = [] if self.micro_steps == 1 else [
             keras.Variable(np.zeros(s, self.dtype_), name=f"accumulator_{i}", trainable=False)
             for i, s in enumerate(self.shapes)]
-        self.inner.build([self.shard])
+        self.inner.build([])
         self.layout = state_layout(self.inner, len(var_list))
         super().build(var_list)
-        self.sync_shard()
 
     @property
     def variables(self) -> list:
-        """This rank's state: the inner optimizer's (step count, learning rate, slots of S)."""
-        return self.inner.variables
+        """This rank's state: the inner optimizer's scalars (step count, learning rate), then its
+        slots of S elements."""
+        return [*self.inner.variables, *self.slots]
 
     @property
     def learning_rate(self):
@@ -230,10 +323,12 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             self.build(list(trainable_variables))
         variables = self._trainable_variables  # in fit's order, those it was built with
+        # (a variable with no gradient: zeros through the collectives, its update undone)
+        missing = [g is None for g in grads]
         grads = [tf.zeros(s, self.dtype_) if g is None else tf.convert_to_tensor(g)
                  for g, s in zip(grads, self.shapes, strict=True)]
         if self.micro_steps == 1:
-            self._step(grads, variables)
+            self._step(grads, variables, missing)
             return
         # K micro-batch steps: sum locally, update on the K-th (every call counted, as unsharded)
         for acc, g in zip(self.accumulators, grads, strict=True):
@@ -241,7 +336,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         steps = self.inner._iterations
 
         def update():
-            self._step([tf.convert_to_tensor(a) for a in self.accumulators], variables)
+            self._step([tf.convert_to_tensor(a) for a in self.accumulators], variables, missing)
             for acc in self.accumulators:
                 acc.assign(tf.zeros_like(acc))
 
@@ -255,60 +350,96 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         self.apply(list(grads), list(variables))
         return self.inner._iterations
 
-    def _step(self, grads, variables) -> None:
-        """Reduce-scatter the averaged gradient, clip its global norm, update this rank's slice,
-        allgather the slices into every rank's model variables."""
+    def _kept(self, missing: list[bool], a: int, b: int) -> np.ndarray | None:
+        """Which of the flat elements ``[a, b)`` belong to a variable with no gradient (kept as
+        they are), or None when none does."""
+        if not any(missing):
+            return None
+        mask = np.zeros(b - a, bool)
+        for i, lo, hi in self._segments(a, b):
+            if i is not None and missing[i]:
+                mask[self.offsets[i] + lo - a:self.offsets[i] + hi - a] = True
+        return mask if mask.any() else None
+
+    def _step(self, grads, variables, missing) -> None:
+        """Reduce-scatter the averaged gradient, clip its global norm, update this rank's slice
+        chunk by chunk (:class:`SliceRule`, from the model's own weights) and allgather the new
+        slices into every rank's model variables.  Without a clip each chunk is updated as soon
+        as it is reduce-scattered; the clip's norm needs every chunk first (the slice whole)."""
         hvd, S, R = self.hvd, self.shard_len, self.world
         extra = {} if self.compression is None else {"compression": self.compression}
-        outs, after = [], []
-        for start, n in self._chunks():
-            with tf.control_dependencies(after):  # one chunk's transients at a time
-                # Each rank's piece [start, start+n) of its slice, in rank order: rank r gets the
-                # average of piece r.
-                pieces = tf.concat([self._read(grads, r * S + start, r * S + start + n)
-                                    for r in range(R)], 0) if R > 1 else \
-                    self._read(grads, start, start + n)
-                out = tf.ensure_shape(hvd.reducescatter(  # (Horovod's output shape is unknown)
-                    pieces, name=f"shard.grad.{start}", op=hvd.Average, **extra, **self.scale), [n])
-            outs.append(out)
-            after = [out]
-        mine = outs[0] if len(outs) == 1 else tf.concat(outs, 0)
-        if self.clip is not None:
+
+        def scatter(start: int, n: int) -> tf.Tensor:
+            # Each rank's piece [start, start+n) of its slice, in rank order: rank r gets the
+            # average of piece r.
+            pieces = tf.concat([self._read(grads, r * S + start, r * S + start + n)
+                                for r in range(R)], 0) if R > 1 else \
+                self._read(grads, start, start + n)
+            return tf.ensure_shape(hvd.reducescatter(  # (Horovod's output shape is unknown)
+                pieces, name=f"shard.grad.{start}", op=hvd.Average, **extra, **self.scale), [n])
+
+        after: list = []
+        if self.clip is None:
+            for start, n in self._chunks():
+                with tf.control_dependencies(after):  # one chunk's transients at a time
+                    after = self._update(variables, scatter(start, n), start, n, missing)
+        else:
+            outs = []
+            for start, n in self._chunks():
+                with tf.control_dependencies(after):
+                    outs.append(scatter(start, n))
+                after = [outs[-1]]
             # Keras' clip_by_global_norm, the norm from every slice's squared sum (in the
             # gradient's type, as Keras sums: a float64 copy of the slice would cost 2 x its size)
-            sq = hvd.allreduce(tf.cast(tf.reduce_sum(tf.square(mine)), tf.float64),
-                               name="shard.grad_norm", op=hvd.Sum)
-            norm = tf.cast(tf.sqrt(sq), mine.dtype)
+            local = tf.add_n([tf.reduce_sum(tf.square(out)) for out in outs])
+            sq = hvd.allreduce(tf.cast(local, tf.float64), name="shard.grad_norm", op=hvd.Sum)
+            norm = tf.cast(tf.sqrt(sq), outs[0].dtype)
             scale = self.clip * tf.minimum(1.0 / norm, 1.0 / self.clip) + (norm - norm)
-            mine = mine * scale
-        # self.shard holds this rank's weights: the last step wrote them from it (see sync_shard)
-        self.inner.apply([mine], [self.shard])
-        after = []
-        for start, n in self._chunks():
-            with tf.control_dependencies(after):
-                gathered = tf.ensure_shape(hvd.allgather(
-                    tf.convert_to_tensor(self.shard)[start:start + n], name=f"shard.weights.{start}"),
-                    [R * n])
-                after = []
-                for r in range(R):
-                    after += self._write(variables, gathered[r * n:(r + 1) * n], r * S + start, n)
+            after = []
+            for (start, n), out in zip(self._chunks(), outs, strict=True):
+                with tf.control_dependencies(after):
+                    after = self._update(variables, out * scale, start, n, missing)
+        with tf.control_dependencies(after):
+            self.inner._iterations.assign_add(1)
+            for var in variables:  # as Keras' apply, after the update
+                if getattr(var, "constraint", None) is not None:
+                    var.assign(var.constraint(var))
 
-    def sync_shard(self) -> None:
-        """This rank's slice of the model's weights into the flat variable the inner optimizer
-        updates: after anything but a step wrote the weights (built, restored, broadcast).  Each
-        step then writes the weights from it, so no step reads them back."""
-        variables = self._trainable_variables
-        self.shard.assign(self._read([tf.convert_to_tensor(v) for v in variables], self.lo,
-                                     self.lo + self.shard_len))
+    def _update(self, variables, g: tf.Tensor, start: int, n: int, missing) -> list:
+        """The chunk ``[start, start + n)`` of this rank's slice: its averaged gradient ``g``
+        into the rule with the chunk's weights and state, the state written in place, the new
+        weights allgathered and written into every rank's variables; returns the writes."""
+        R, S, a = self.world, self.shard_len, self.lo + start
+        w = self._read(variables, a, a + n)
+        state = [tf.convert_to_tensor(slot)[start:start + n] for slot in self.slots]
+        new_w, new_state = self.rule(w, g, state)
+        kept = self._kept(missing, a, a + n)
+        if kept is not None:  # Keras' apply skips a variable with no gradient
+            new_w = tf.where(kept, w, new_w)
+            new_state = [tf.where(kept, old, new) for old, new in zip(state, new_state, strict=True)]
+        writes = [self._assign_slice(slot, value, start)
+                  for slot, value in zip(self.slots, new_state, strict=True)]
+        with tf.control_dependencies(writes):
+            gathered = tf.ensure_shape(self.hvd.allgather(new_w, name=f"shard.weights.{start}"),
+                                       [R * n])
+        out = []
+        for r in range(R):
+            out += self._write(variables, gathered[r * n:(r + 1) * n], r * S + start, n)
+        return out
+
+    @staticmethod
+    def _assign_slice(var, value: tf.Tensor, start: int):
+        """``var[start:start + len(value)] = value`` in place."""
+        n = int(value.shape[0])
+        return tf.raw_ops.ResourceStridedSliceAssign(
+            ref=_tf_var(var).handle, begin=[start], end=[start + n], strides=[1], value=value)
 
     # --- checkpoints: the whole state, in the unsharded optimizer's format -----------------------
 
     def _slots(self) -> tuple[list, list]:
-        """The inner optimizer's scalar variables and its slot variables (of S), in order."""
-        scalars, slots = [], []
-        for var in self.inner.variables:
-            (scalars if len(var.shape) == 0 else slots).append(var)
-        return scalars, slots
+        """The inner optimizer's scalar variables and this rank's slot variables (of S), in
+        order."""
+        return list(self.inner.variables), list(self.slots)
 
     def gathered_state(self) -> list[np.ndarray]:
         """The whole optimizer state as the unsharded optimizer's ``variables`` would hold it (a
@@ -353,9 +484,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
 
     def scatter_state(self) -> None:
         """On every rank, after the weights' broadcast: rank 0's restored state (if any), each
-        rank keeping its slice; every rank keeps its fresh state when nothing was restored.
-        Then :meth:`sync_shard`: the weights were broadcast before."""
-        self.sync_shard()
+        rank keeping its slice; every rank keeps its fresh state when nothing was restored."""
         hvd, whole = self.hvd, self.pending
         self.pending = None
         scalars, slots = self._slots()
