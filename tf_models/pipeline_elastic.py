@@ -219,6 +219,11 @@ class KerasElasticPipeline:
             w.assign(mean[offset:offset + n].reshape(w.shape).astype(w.dtype))
             offset += n
 
+    @property
+    def problem(self) -> str | None:
+        """The first data problem this rank's data met (a stage that reads the data), or None."""
+        return self.data.problem
+
     def eval_sums(self) -> list[float]:
         """As the PyTorch glue's: the first stage records its replica's test inputs through the
         data's own evaluation, the stages run them forward in lockstep ticks, the last stage

@@ -228,6 +228,11 @@ class TorchElasticPipeline:
                     b.copy_(torch.from_numpy(mean[offset:offset + b.numel()]).reshape(b.shape))
                     offset += b.numel()
 
+    @property
+    def problem(self) -> str | None:
+        """The first data problem this rank's data met (a stage that reads the data), or None."""
+        return self.data.problem
+
     def eval_sums(self) -> list[float]:
         """This rank's test sums: the last stage's (loss, correct, count, problems), zeros
         elsewhere.  The first stage reads its replica's test inputs (the data's own evaluation,

@@ -138,22 +138,30 @@ def run_epochs(state, run: FrameworkRun, progress: Progress) -> tuple[float, flo
         _fold(state, run, pending)
         run.sync_buffers()
         test = exact_test_metrics(world, run.eval_sums(), run.problem, epoch)
-        rec = EpochRecord.of(epoch, loss_sum=state.loss_sum[0], images=state.loss_sum[1], test=test,
-                             lr=lr, seconds=time.time() - state.epoch_started)
-        progress.epoch(rec)
-        checkpoint.save_if_due(args, world.rank == 0, epoch, run.save)
-        state.records.append(asdict(rec))
-        state.train_seconds += rec.seconds
-        state.images_seen += state.loss_sum[1]
-        state.epoch, state.consumed, state.epoch_steps = epoch + 1, 0, 0
-        state.loss_sum, state.epoch_started = [0.0, 0.0], time.time()
-        state.commit()
+        close_epoch(state, run, progress, epoch, lr, test, saves=world.rank == 0)
         result = test
     if result is None:
         last = state.records[-1] if state.records else None
         result = ((last["test_loss"], last["test_accuracy"]) if last
                   else exact_test_metrics(world, run.eval_sums()))
     return result
+
+
+def close_epoch(state, run, progress: Progress, epoch: int, lr: float, test: tuple[float, float],
+                *, saves: bool) -> None:
+    """The end of an epoch of an elastic job (the ring's and the elastic pipeline's): its record
+    printed and kept, the checkpoint written where due (by the rank that ``saves``), the state
+    moved to the next epoch and committed."""
+    rec = EpochRecord.of(epoch, loss_sum=state.loss_sum[0], images=state.loss_sum[1], test=test,
+                         lr=lr, seconds=time.time() - state.epoch_started)
+    progress.epoch(rec)
+    checkpoint.save_if_due(run.args, saves, epoch, run.save)
+    state.records.append(asdict(rec))
+    state.train_seconds += rec.seconds
+    state.images_seen += state.loss_sum[1]
+    state.epoch, state.consumed, state.epoch_steps = epoch + 1, 0, 0
+    state.loss_sum, state.epoch_started = [0.0, 0.0], time.time()
+    state.commit()
 
 
 def summary_fields(state, args, world_size: int) -> dict[str, Any]:

@@ -16,8 +16,6 @@ last commit (the plain state from the lowest rank at that commit) before this lo
 from __future__ import annotations
 
 import copy
-import time
-from dataclasses import asdict
 from typing import Any, Protocol
 
 import numpy as np
@@ -27,12 +25,12 @@ from ringtrain.data.sharding import optimizer_steps, remaining_shard
 from ringtrain.errors import UserError
 from ringtrain.faults import watchdog
 from ringtrain.lr import lr_at, scaled_lr
-from ringtrain.output import checkpoint
 from ringtrain.output.progress import Progress
-from ringtrain.output.summary import EpochRecord, Summary
+from ringtrain.output.summary import Summary
 from ringtrain.strategies.pipeline.lockstep import Layout
 from ringtrain.training import summaries
-from ringtrain.training.elastic import epoch_progress, initial_state, summary_fields
+from ringtrain.training.elastic import close_epoch, epoch_progress, initial_state, summary_fields
+from ringtrain.training.evaluation import exact_test_metrics
 
 
 class ElasticStages(Protocol):
@@ -52,6 +50,10 @@ class ElasticStages(Protocol):
         whether this stage's weights are finite)."""
 
     def eval_sums(self) -> list[float]: ...
+
+    @property
+    def problem(self) -> str | None:
+        """The first data problem this rank met, or None (the one line every rank ends with)."""
 
     def sync_buffers(self) -> None: ...
 
@@ -193,20 +195,8 @@ def run_epochs(state, run: ElasticStages, progress: Progress) -> tuple[float, fl
                 state.commit()
         _fold(state, world, pending)
         run.sync_buffers()
-        loss_sum, correct, count, problems = world.sum(run.eval_sums(), "pipeline.elastic.eval")
-        if problems:
-            raise UserError(f"{int(problems)} test image(s) could not be read at epoch {epoch}")
-        test = (loss_sum / max(count, 1), correct / max(count, 1))
-        rec = EpochRecord.of(epoch, loss_sum=state.loss_sum[0], images=state.loss_sum[1], test=test,
-                             lr=lr, seconds=time.time() - state.epoch_started)
-        progress.epoch(rec)
-        checkpoint.save_if_due(args, layout.replica == 0, epoch, run.save)
-        state.records.append(asdict(rec))
-        state.train_seconds += rec.seconds
-        state.images_seen += state.loss_sum[1]
-        state.epoch, state.consumed, state.epoch_steps = epoch + 1, 0, 0
-        state.loss_sum, state.epoch_started = [0.0, 0.0], time.time()
-        state.commit()
+        test = exact_test_metrics(world, run.eval_sums(), run.problem, epoch)
+        close_epoch(state, run, progress, epoch, lr, test, saves=layout.replica == 0)
         result = test
     if result is None:
         last = state.records[-1]
