@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"with --only cluster: which of its cells to run "
                         f"({', '.join(emulated_cluster.CELLS)}); with --only pipeline: "
                         f"{', '.join(model_parallel.CELLS)}; default all; a subset replaces those "
-                        "cells' records in OUT/<part>.json and keeps the rest")
+                        "cells' records in OUT/<part>.json and keeps the rest (with --smoke and no "
+                        "earlier part there: the subset alone)")
     p.add_argument("--data-models", default=None,
                    help="data part: which of its models to measure (cnn, resnet18; default both)")
     p.add_argument("--data-rounds", type=int, default=None, metavar="N",
@@ -128,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     if not cells or any(c not in every for c in cells):
         raise bad_input(f"--cells: {args.cells!r}: choose from {', '.join(every)}")
     rerun = set(cells) != set(every)
-    if rerun and not (out / f"{rerun_part}.json").exists():
+    # --smoke: a subset alone is a smoke test's share of the part (nothing to merge into)
+    merge_into = rerun and not (args.smoke and not (out / f"{rerun_part}.json").exists())
+    if rerun and not args.smoke and not (out / f"{rerun_part}.json").exists():
         raise bad_input(f"--cells reruns some cells of an earlier {rerun_part} part, but {out} "
                         f"holds no {rerun_part}.json: run the whole part first, or point --out at "
                         "its folder")
@@ -216,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         data["quick"] = cfg.quick or args.smoke
         data["started"] = started
         data["machine"] = util.read_json(out / "machine.json")  # the limits its numbers meet
-        if part == "cluster" and rerun and "skipped" not in data:
+        if part == "cluster" and merge_into and "skipped" not in data:
             data = emulated_cluster.merge_rerun(util.read_json(out / "cluster.json"), data, command)
-        if part == "pipeline" and rerun:
+        if part == "pipeline" and merge_into:
             data = model_parallel.merge_rerun(util.read_json(out / "pipeline.json"), data, command)
         util.write_json(out / f"{part}.json", data)
 

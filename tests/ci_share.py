@@ -124,6 +124,11 @@ LEFT_OUT: list[tuple[str, str]] = [
     ("tests/test_pipeline_elastic.py::test_elastic_pipeline_grows_a_second_replica_when_a_host_is_added",
      "the killed-rank test's re-form (the same per-world handover from each stage's holders); "
      "test_pipeline_lockstep's holders rule with newcomers that hold nothing"),
+    ("tests/test_bench_smoke.py::test_pipeline_part_cells",
+     "test_pipeline_part (the same driver, its schedule, versus and memory cells); what these "
+     "cells measure: test_pipeline_memory (1F1B's activations held), test_pipeline_split "
+     "(--partition time), test_stage_build (a stage builds its layers only), test_cluster_part "
+     "(namespace hosts and their link counters)"),
     ("tests/test_horovod_tools.py::test_timeline_and_autotune_in_a_two_rank_job[tf]",
      "[torch] (the flags set the same Horovod variables for both; Horovod's core writes the "
      "timeline); TF's allreduce of every gradient: test_correctness's invariants 1-2 in TF"),

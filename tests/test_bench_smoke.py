@@ -138,13 +138,20 @@ def test_accuracy_part(tmp_path):
     assert "## 5. Time to 0% test accuracy" in md
 
 
-@pytest.mark.timeout(2 * LIMIT + 60)
+# The pipeline part in two launches of the driver (``--smoke --cells``: a subset alone, nothing
+# to merge into): CI runs the first, which holds what the part exists to show; the second's cells
+# measure flags whose behaviour CI proves elsewhere (tests/ci_share.py).
+PIPELINE_CELLS = ("schedules-s2,versus_dp,memory", "largest,stage_memory,partition,link")
+
+
+@pytest.mark.timeout(LIMIT + 60)
 def test_pipeline_part(tmp_path):
-    """A schedule run, pipeline against data parallel, the memory cells (the same model under the
-    same cap: S = 1 fails to allocate, S = 2 trains, each rank holding about half the weights)
-    and, as root, the bytes on a link between two hosts."""
-    out, md = bench(tmp_path, "--only", "pipeline", timeout=2 * LIMIT)
+    """A schedule run, pipeline against data parallel, and the memory cells (the same model under
+    the same cap: S = 1 fails to allocate, S = 2 trains, each rank holding about half the
+    weights); the part's section renders from them alone."""
+    out, md = bench(tmp_path, "--only", "pipeline", "--cells", PIPELINE_CELLS[0])
     data = json.loads((out / "pipeline.json").read_text())
+    assert data["config"]["cells"] == ["schedules-s2", "versus_dp", "memory"]
     (sched,) = data["schedules"]
     assert sched["ok"], sched.get("error")
     assert sched["formula_bubble"] == pytest.approx(1 / 3) and 0 <= sched["measured_bubble"] < 1
@@ -155,6 +162,22 @@ def test_pipeline_part(tmp_path):
     whole = data["memory"]["weight_bytes"]
     assert sum(s2["param_bytes"]) == whole and max(s2["param_bytes"]) < 0.6 * whole
     assert len(s2["ranks"]) == 2 and all(r["peak_rss_bytes"] > 0 for r in s2["ranks"])
+    assert not {"largest", "stage_memory", "partition", "link"} & set(data)
+    assert "## 10. Model parallelism" in md
+
+
+@pytest.mark.timeout(2 * LIMIT + 60)
+def test_pipeline_part_cells(tmp_path):
+    """The rest of the pipeline part: the largest model under a cap (one probe at S = 1 and 2),
+    the peak memory per stage, the partition by time against by parameters and, as root, the
+    bytes on a link between two hosts."""
+    out, md = bench(tmp_path, "--only", "pipeline", "--cells", PIPELINE_CELLS[1],
+                    timeout=2 * LIMIT)
+    data = json.loads((out / "pipeline.json").read_text())
+    assert "schedules" not in data and "memory" not in data
+    largest = data["largest"]["cells"]  # one probe each, which trained
+    assert [c["stages"] for c in largest] == [1, 2] and all(c.get("largest_params") for c in largest), \
+        largest
     assert all(c["ok"] for c in data["stage_memory"]["cells"]), failed(data["stage_memory"]["cells"])
     by_mode = {c["partition"]: c for c in data["partition"]["cells"]}
     assert sorted(by_mode) == ["params", "time"] and all(c["ok"] for c in by_mode.values()), \
