@@ -70,7 +70,7 @@ def _schedules(data: dict, width: int, depth: int, comparing: bool, res: dict) -
     cfg = data["config"]
     cores = (res.get("machine") or data.get("machine") or {}).get("cores")
     out = []
-    for stages in sorted({r.get("stages", 2) for r in data["schedules"]}):
+    for stages in sorted({r.get("stages", 2) for r in data.get("schedules", [])}):
         rows = []
         for r in (r for r in data["schedules"] if r.get("stages", 2) == stages):
             if not r["ok"]:
