@@ -884,3 +884,26 @@ def test_bench_modules_live_in_their_folders_and_share_no_name_with_the_library(
     assert not clashes, f"bench modules named like library modules (rename them): {clashes}"
     twice = {name: paths for name, paths in ours.items() if len(paths) > 1}
     assert not twice, f"bench modules sharing a name: {twice}"
+
+
+def test_an_optimizers_cell_is_its_median_launch_and_renders_the_range():
+    """bench.parts.update_cost: a cell of N launches is the one whose largest rank's peak is the
+    median (the lower middle of an even count), every launch's largest peak kept; a failed launch
+    fails the cell; section 12.1 shows the median and the range."""
+    from bench.parts.update_cost import median_run
+    from bench.reports.report_optimizers import section
+
+    def run(peaks, ips=10.0):
+        return {"ok": True, "peak_rss_mib": peaks, "images_per_second": ips}
+
+    cell = median_run([run([900, 1000], 1.0), run([1300, 1200], 2.0), run([1100, 1050], 3.0)])
+    assert cell["peak_rss_mib"] == [1100, 1050] and cell["images_per_second"] == 3.0
+    assert cell["largest_peaks_mib"] == [1000, 1300, 1100] and cell["runs"] == 3
+    assert median_run([run([2]), run([1])])["peak_rss_mib"] == [1]
+    bad = median_run([run([1]), {"ok": False, "error": "boom"}])
+    assert not bad["ok"] and bad["error"] == "boom"
+    cell.update(framework="tf", optimizer="adamw", np=2, sharded=True, state_bytes_formula=2**20)
+    md = "\n".join(section({"optimizers": {"update": {
+        "cells": [cell], "depth": 1, "width": 2, "params": 3, "weight_bytes": 2**20, "batch": 4,
+        "steps": 5}}}))
+    assert "| 1100 (1000-1300) |" in md and "median of 3 launches" in md

@@ -9,7 +9,7 @@
   Beside them the formula: W the weights' float32 bytes, the optimizer's state per rank is
   ``slots x W`` unsharded and ``slots x W / R`` sharded (SGD's momentum 1 slot, AdamW's moments
   2), so sharding saves ``slots x W x (1 - 1/R)``; measured: the largest rank's peak unsharded
-  minus sharded, in the same run.
+  minus sharded, in the same run, each the median of ``repeats`` launches (the pair interleaved).
 * **bf16 against fp32** (:func:`precision_cells`): the built-in CNN on MNIST, each framework,
   ``--precision fp32`` then ``bf16`` back to back at -np ``precision_np``: images/s, and whether
   this CPU has bfloat16 instructions (where it has none, bf16 is emulated).
@@ -60,6 +60,9 @@ class OptimizersConfig:
     mlp: tuple[int, int] = (2048, 8)
     batch: int = 32  # per rank
     steps: int = 10  # per epoch; two epochs, the second's images/s reported
+    # Each pair (unsharded, sharded) launched this many times, interleaved; a cell reports the
+    # median run: one launch's peak moves by a good part of W between runs (docs/benchmarks.md).
+    repeats: int = 3
     precision_np: int = 2
     precision_batch: int = 64
     precision_steps: int = 30
@@ -74,7 +77,8 @@ def full() -> OptimizersConfig:
 
 
 def quick() -> OptimizersConfig:
-    return OptimizersConfig(quick=True, nps=[2], mlp=(1024, 4), steps=4, precision_steps=8)
+    return OptimizersConfig(quick=True, nps=[2], mlp=(1024, 4), steps=4, precision_steps=8,
+                            repeats=1)
 
 
 def smoke() -> OptimizersConfig:
@@ -82,7 +86,7 @@ def smoke() -> OptimizersConfig:
     bf16 at -np 1)."""
     return OptimizersConfig(quick=True, frameworks=["torch"], optimizers=["adamw"], nps=[2],
                             mlp=(64, 1), batch=8, steps=2, precision_np=1, precision_batch=16,
-                            precision_steps=2, timeout_s=240)
+                            precision_steps=2, timeout_s=240, repeats=1)
 
 
 def loadavg() -> list[float]:
@@ -124,6 +128,20 @@ def run_trainer(cfg: OptimizersConfig, out: Path, name: str, framework: str, np_
     return rec
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The cell of ``runs`` (one launch each, alike): the run whose largest rank's peak is the
+    median (the lower middle one of an even count), with every run's largest peak
+    (``largest_peaks_mib``, in launch order) and images/s beside it; a failed run fails the cell."""
+    failed = [r for r in runs if not r["ok"]]
+    if failed:
+        return {**failed[0], "runs": len(runs)}
+    ordered = sorted(runs, key=lambda r: max(r["peak_rss_mib"]))
+    rec = dict(ordered[(len(ordered) - 1) // 2])
+    rec.update(runs=len(runs), largest_peaks_mib=[max(r["peak_rss_mib"]) for r in runs],
+               images_per_second_runs=[r["images_per_second"] for r in runs])
+    return rec
+
+
 def steps_args(steps: int, batch: int, np_: int) -> list[str]:
     return ["--epochs", "2", "--max-steps", str(steps), "--train-samples",
             str(steps * batch * np_), "--test-samples", "100", "--batch-size", str(batch)]
@@ -139,16 +157,22 @@ def update_cells(cfg: OptimizersConfig, out: Path) -> dict:
         for optimizer in cfg.optimizers:
             flags = ADAMW if optimizer == "adamw" else []
             for np_ in cfg.nps:
+                runs: dict[bool, list[dict]] = {False: [], True: []}
+                for rep in range(cfg.repeats):  # interleaved: a drift of the machine hits both
+                    for sharded in (False, True):
+                        name = (f"{framework}-{optimizer}-np{np_}"
+                                + ("-sharded" if sharded else "") + f"-{rep + 1}")
+                        args = [*steps_args(cfg.steps, cfg.batch, np_), "--model",
+                                MODELS[framework], *flags,
+                                *(["--shard-optimizer"] if sharded else [])]
+                        runs[sharded].append(run_trainer(cfg, out, name, framework, np_, args,
+                                                         env={"BENCH_MLP": f"{width},{depth}"}))
                 pair = {}
                 for sharded in (False, True):
-                    name = f"{framework}-{optimizer}-np{np_}" + ("-sharded" if sharded else "")
-                    args = [*steps_args(cfg.steps, cfg.batch, np_), "--model", MODELS[framework],
-                            *flags, *(["--shard-optimizer"] if sharded else [])]
-                    rec = run_trainer(cfg, out, name, framework, np_, args,
-                                      env={"BENCH_MLP": f"{width},{depth}"})
-                    slots = SLOTS[optimizer]
+                    rec = median_run(runs[sharded])
                     rec.update(optimizer=optimizer, sharded=sharded,
-                               state_bytes_formula=slots * weight_bytes / (np_ if sharded else 1))
+                               state_bytes_formula=SLOTS[optimizer] * weight_bytes
+                               / (np_ if sharded else 1))
                     pair[sharded] = rec
                     cells.append(rec)
                 plain, shard = pair[False], pair[True]
