@@ -18,6 +18,7 @@ def _update(part: dict, cores: int | None) -> list[str]:
     if not up or not up.get("cells"):
         return []
     rows = []
+    runs = max((c.get("runs") or 1) for c in up["cells"])
     for c in up["cells"]:
         head = [FW.get(c["framework"], c["framework"]), c["optimizer"], str(c["np"]),
                 "yes" if c["sharded"] else "no"]
@@ -26,7 +27,10 @@ def _update(part: dict, cores: int | None) -> list[str]:
             continue
         peaks = c["peak_rss_mib"]
         saved = c.get("saved_bytes")
-        rows.append([*head, f"{c['images_per_second']:.0f}", f"{max(peaks):.0f}",
+        spread = c.get("largest_peaks_mib") or []
+        largest = f"{max(peaks):.0f}" + (f" ({min(spread):.0f}-{max(spread):.0f})"
+                                          if len(spread) > 1 else "")
+        rows.append([*head, f"{c['images_per_second']:.0f}", largest,
                      " / ".join(f"{v:.0f}" for v in peaks), _mb(c["state_bytes_formula"]),
                      f"{_mb(saved)} / {_mb(c.get('saved_bytes_formula'))}" if saved is not None
                      else "",
@@ -36,17 +40,18 @@ def _update(part: dict, cores: int | None) -> list[str]:
             f"W = {up['weight_bytes'] / MB:.0f} MiB of float32 weights; `bench.parts.model_parallel:mlp`"
             " and its Keras twin `bench.parts.update_cost:mlp_keras`), batch "
             f"{up['batch']} per rank, two epochs of {up['steps']} steps (images/s: the second). "
+            + (f"Each cell is the median of {runs} launches, the unsharded and sharded ones "
+               "interleaved (the run whose largest rank's peak is the median; in brackets the "
+               "range of the launches' largest peaks). " if runs > 1 else "") +
             "SGD is the default (momentum 0.9, one tensor of state per weight); AdamW "
             "(`--optimizer adamw --base-lr 0.001 --weight-decay 0.01`) keeps two. *State per "
             "rank (formula)*: slots x W, divided by R with `--shard-optimizer`. *Saved*: the "
             "largest rank's peak resident memory unsharded minus sharded, measured back to back, "
             "against the formula's slots x W x (1 - 1/R); *saved / W*: the issue's target is "
             "0.7 or more for AdamW at R = 2. Peak resident memory: each rank's `ru_maxrss` "
-            "(`bench/workers/rankexec.py`), framework included. Keras' sharded optimizer keeps "
-            "one more slice of the weights than PyTorch's (the flat variable it updates, W / R), "
-            "so its saving is the formula's less W / R. A saving above the formula is the "
+            "(`bench/workers/rankexec.py`), framework included. A saving above the formula is the "
             "unsharded step's other transients (its allreduce buffers) and a peak's run-to-run "
-            "variation (one run per cell).", "",
+            "variation.", "",
             table(["framework", "optimizer", "-np", "sharded", "images/s",
                    "peak RSS, largest rank (MiB)", "each rank (MiB)",
                    "state per rank, formula (MiB)", "saved: measured / formula (MiB)", "saved / W"],
@@ -83,8 +88,13 @@ def section(res: dict) -> list[str]:
     body = _update(part, cores) + _precision(part)
     if not body:
         return []
+    repeats = (part.get("config") or {}).get("repeats", 1)
+    cpu = (part.get("machine") or {}).get("cpu_model")
+    on = f", on {cpu} ({cores} cores)" if cpu else ""  # (its own: parts ran on other VMs)
+    runs = ("one run per cell" if repeats == 1 else
+            f"12.1's cells the median of {repeats} launches each, 12.2's one run per cell")
     return ["## 12. Optimizers: the state's memory, sharded or not, and bf16", "",
             "`python -m bench --only optimizers` (`bench/parts/update_cost.py`; docs/training.md, "
-            f"'Choosing an optimizer'). Load average at the start {load_text(load)} "
-            f"({load_note(load, cores)}); one run per cell, images/s to be compared within a "
+            f"'Choosing an optimizer'){on}. Load average at the start {load_text(load)} "
+            f"({load_note(load, cores)}); {runs}, images/s to be compared within a "
             "table, not across sections.", "", *body]
