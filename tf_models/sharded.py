@@ -27,9 +27,10 @@ fit's traced train step) does what the PyTorch trainer's :mod:`torch_models.shar
 Collective names depend on the chunk's offset only, and every rank issues the same ones.  Each
 chunk waits for the one before it (control dependencies), so that a traced step never holds more
 than a chunk's transient buffers: without ``--clip-grad-norm`` each chunk is updated as soon as
-it is reduce-scattered; the clip's norm needs the whole reduce-scattered slice first.  ``--backward-passes-per-step K``: the gradients are summed
-locally over K calls (as Horovod's wrapper does) and the K-th call updates; the optimizer's
-``iterations`` counts every call, as unsharded.
+it is reduce-scattered; the clip's norm needs the whole reduce-scattered slice first.
+``--backward-passes-per-step K``: the gradients are summed locally over K calls (as Horovod's
+wrapper does) and the K-th call updates; the optimizer's ``iterations`` counts every call, as
+unsharded.
 
 Checkpoints hold the whole, unsharded state (:meth:`ShardedOptimizer.gathered_state`, a
 collective, every rank calling it) in the unsharded optimizer's ``variables`` order, so a sharded
