@@ -129,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     if not cells or any(c not in every for c in cells):
         raise bad_input(f"--cells: {args.cells!r}: choose from {', '.join(every)}")
     rerun = set(cells) != set(every)
-    # --smoke: a subset alone is a smoke test's share of the part (nothing to merge into)
-    merge_into = rerun and not (args.smoke and not (out / f"{rerun_part}.json").exists())
-    if rerun and not args.smoke and not (out / f"{rerun_part}.json").exists():
+    # a subset replaces those cells of the earlier part; under --smoke with none, it stands alone
+    merge_into = rerun and (out / f"{rerun_part}.json").exists()
+    if rerun and not merge_into and not args.smoke:
         raise bad_input(f"--cells reruns some cells of an earlier {rerun_part} part, but {out} "
                         f"holds no {rerun_part}.json: run the whole part first, or point --out at "
                         "its folder")

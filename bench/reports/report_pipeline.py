@@ -70,9 +70,10 @@ def _schedules(data: dict, width: int, depth: int, comparing: bool, res: dict) -
     cfg = data["config"]
     cores = (res.get("machine") or data.get("machine") or {}).get("cores")
     out = []
-    for stages in sorted({r.get("stages", 2) for r in data.get("schedules", [])}):
+    runs = data.get("schedules", [])  # none in a smoke test's share without schedule cells
+    for stages in sorted({r.get("stages", 2) for r in runs}):
         rows = []
-        for r in (r for r in data["schedules"] if r.get("stages", 2) == stages):
+        for r in (r for r in runs if r.get("stages", 2) == stages):
             if not r["ok"]:
                 rows.append([r["schedule"], str(r["micro"]), "failed", "", "",
                              pct(r["formula_bubble"]), ""])

@@ -110,8 +110,14 @@ class Layout:
     def last(self) -> bool:
         return not self.spare and self.placement.last
 
+    @cached_property
+    def grid(self) -> Placement:
+        """The fixed pipeline's placement of the first R x S ranks, for its rules (any rank's,
+        a spare's too: who holds a stage of a replica)."""
+        return Placement(self.stages, self.replicas * self.stages, 0)
+
     def rank_of(self, stage: int, replica: int) -> int:
-        return replica * self.stages + stage
+        return self.grid.rank_of(stage, replica)
 
     @property
     def previous(self) -> int | None:
